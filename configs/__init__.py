@@ -1,0 +1,1 @@
+"""Tuned launch configs of the fused-MoE kernels, one JSON file per shape and dtype."""

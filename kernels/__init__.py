@@ -1,0 +1,1 @@
+"""Triton kernels of the fused-MoE layer (installed as quantize_moe.kernels)."""
