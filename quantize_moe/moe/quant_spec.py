@@ -1,0 +1,42 @@
+"""How the weights and activations of one fused-MoE layer are quantized.
+
+Shared by the torch reference, the Triton kernels and the quantization-method
+objects, so that all three agree on scale shapes:
+
+| weight | w13 scale            | w2 scale            | activations                      |
+|--------|----------------------|---------------------|----------------------------------|
+| none   | -                    | -                   | bf16/fp16                        |
+| tensor | [E] float32          | [E] float32         | dynamic per token or per tensor  |
+| channel| [E, 2I] float32      | [E, H] float32      | dynamic per token                |
+| block  | [E, ceil(2I/bn), ceil(H/bk)] | [E, ceil(H/bn), ceil(I/bk)] | dynamic per token and bk channels |
+
+A scale is always the dequantization multiplier: w ~= w_fp8.float() * scale.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+WeightScheme = Literal["none", "tensor", "channel", "block"]
+ActivationScheme = Literal["token", "tensor", "group"]
+
+
+@dataclass(frozen=True)
+class MoEQuantSpec:
+    weight: WeightScheme = "none"
+    activation: ActivationScheme = "token"
+    block_shape: tuple[int, int] | None = None  # (bn, bk) for weight == "block"
+
+    def __post_init__(self) -> None:
+        if (self.weight == "block") != (self.block_shape is not None):
+            raise ValueError("block_shape is given exactly when weight == 'block'")
+        if self.weight == "block" and self.activation != "group":
+            raise ValueError("block weights go with per-token-group activations")
+        if self.weight == "channel" and self.activation != "token":
+            raise ValueError("channel weights go with per-token activations")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight != "none"
+
+
+UNQUANTIZED = MoEQuantSpec()
