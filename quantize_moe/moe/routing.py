@@ -1,0 +1,96 @@
+"""Router top-k selection of the MoE families we support, in torch.
+
+Each rule reproduces its family's Hugging Face transformers router bit for bit
+on float32 logits (tests compare against transformers' own modules), and
+returns float32 weights and int32 expert ids, the inputs of `fused_experts`.
+
+| scoring         | families                     | weights                                        |
+|-----------------|------------------------------|------------------------------------------------|
+| softmax_topk    | Mixtral, Qwen2/3-MoE, OLMoE  | softmax over all experts, top-k, renormalize?  |
+| grouped_sigmoid | DeepSeek-V3, GLM-4.5 (MoE)   | sigmoid; bias-corrected grouped choice         |
+| topk_softmax    | gpt-oss                      | top-k of the (biased) logits, softmax of those |
+| topk_sigmoid    | Llama-4                      | sigmoid of the chosen logits                   |
+
+Llama-4 multiplies the router weight into the expert *input*, not its
+output; with top-1 and a SiLU MLP that is a different function, so a caller
+that runs Llama-4 through `fused_experts` must scale the input itself.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Scoring = Literal["softmax_topk", "grouped_sigmoid", "topk_softmax", "topk_sigmoid"]
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    scoring: Scoring
+    top_k: int
+    # softmax_topk, grouped_sigmoid: divide the chosen weights by their sum
+    # (Mixtral always; Qwen `norm_topk_prob`; DeepSeek-V3 `norm_topk_prob`).
+    renormalize: bool = False
+    # grouped_sigmoid: experts form n_group equal groups, ranked by the sum of
+    # their two best biased scores; experts of the best topk_group groups compete.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # grouped_sigmoid: added to the sigmoid scores for choosing experts only.
+    e_score_correction_bias: torch.Tensor | None = field(default=None, compare=False)
+    # topk_softmax: the router's linear bias, if the logits do not include it yet.
+    logit_bias: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError("top_k must be positive")
+        if self.scoring == "grouped_sigmoid" and not 1 <= self.topk_group <= self.n_group:
+            raise ValueError("need 1 <= topk_group <= n_group")
+
+
+def select_experts(router_logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick top-k experts per token: (topk_weights float32 [T, k], topk_ids int32 [T, k])."""
+    logits = router_logits.reshape(-1, router_logits.shape[-1])
+    if rule.scoring == "softmax_topk":
+        weights, ids = _softmax_topk(logits, rule)
+    elif rule.scoring == "grouped_sigmoid":
+        weights, ids = _grouped_sigmoid(logits, rule)
+    elif rule.scoring == "topk_softmax":
+        weights, ids = _topk_softmax(logits, rule)
+    elif rule.scoring == "topk_sigmoid":
+        chosen, ids = torch.topk(logits, rule.top_k, dim=-1)
+        weights = torch.sigmoid(chosen.float())
+    else:
+        raise ValueError(f"unknown scoring {rule.scoring!r}")
+    return weights.float(), ids.to(torch.int32)
+
+
+def _softmax_topk(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, rule.top_k, dim=-1)
+    if rule.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_sigmoid(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    scores = logits.float().sigmoid()
+    for_choice = scores if rule.e_score_correction_bias is None else scores + rule.e_score_correction_bias
+    grouped = for_choice.view(num_tokens, rule.n_group, num_experts // rule.n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(rule.topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    ids = for_choice.masked_fill(~expert_mask, float("-inf")).topk(rule.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if rule.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * rule.routed_scaling_factor, ids
+
+
+def _topk_softmax(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    if rule.logit_bias is not None:
+        logits = logits + rule.logit_bias
+    chosen, ids = torch.topk(logits, rule.top_k, dim=-1)
+    return torch.softmax(chosen, dim=-1, dtype=chosen.dtype), ids
