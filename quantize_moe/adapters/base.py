@@ -1,0 +1,129 @@
+"""What an adapter tells the rest of the tool about one MoE family.
+
+Every tensor of a checkpoint gets a `TensorRole`: a routed expert projection
+(with its layer, expert and vLLM shard id), a shared-expert or dense Linear, or
+something that must stay in high precision, with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+from transformers import PretrainedConfig
+
+# vLLM's FusedMoE shard ids: gate = w1, down = w2, up = w3.
+SHARD_IDS = ("w1", "w2", "w3")
+
+
+class Kind(str, Enum):
+    ROUTED_EXPERT = "routed expert"
+    SHARED_EXPERT = "shared expert"
+    LINEAR = "linear"
+    ROUTER = "router"
+    HIGH_PRECISION = "high precision"
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    kind: Kind
+    module: str  # module name: the tensor name without its parameter suffix
+    is_linear_weight: bool  # a 2-D Linear weight (quantizable in principle)
+    reason: str = ""  # why it stays in high precision, if it does
+    layer: int | None = None
+    expert: int | None = None
+    shard_id: str | None = None  # w1 / w2 / w3 for routed experts
+
+
+@dataclass(frozen=True)
+class MoELayerInfo:
+    layer: int
+    num_experts: int
+    hidden_size: int
+    expert_width: int  # I: rows of gate and of up, columns of down
+    top_k: int
+
+
+@dataclass(frozen=True)
+class PerExpertFamily:
+    """A family whose routed experts are one 2-D Linear per expert and projection.
+
+    Templates are regular expressions relative to one decoder layer
+    (`{layers}.{L}.`); `{proj}` in `experts` matches the projection names.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    experts: str  # e.g. r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2)"
+    projections: dict[str, str]  # on-disk projection name -> shard id
+    routers: tuple[str, ...]  # module patterns of routers (stay high precision)
+    shared_experts: tuple[str, ...] = ()  # module patterns of shared-expert Linears
+    keep_linears: tuple[tuple[str, str], ...] = ()  # (module pattern, reason): other Linears that stay
+    layers: str = r"model\.layers"
+    config_model_type: str | None = None  # transformers config class to parse with, when model_type has none
+    num_experts_keys: tuple[str, ...] = ("num_local_experts",)
+    expert_width_keys: tuple[str, ...] = ("moe_intermediate_size", "intermediate_size")
+    top_k_keys: tuple[str, ...] = ("num_experts_per_tok",)
+    _patterns: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        layer = rf"^(?P<prefix>{self.layers}\.(?P<layer>\d+))\."
+        compiled = self._patterns
+        compiled["expert"] = re.compile(layer + self.experts + r"\.weight$")
+        compiled["router"] = [re.compile(layer + p + "$") for p in self.routers]
+        compiled["shared"] = [re.compile(layer + p + r"\.") for p in self.shared_experts]
+        compiled["keep"] = [(re.compile(layer + p + "$"), why) for p, why in self.keep_linears]
+
+    # -- config -------------------------------------------------------------------------------
+    def config_value(self, config: PretrainedConfig, keys: tuple[str, ...]) -> int | None:
+        for key in keys:
+            value = getattr(config, key, None)
+            if value is not None:
+                return value
+        return None
+
+    def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
+        """Mixtral-like default: every decoder layer is MoE."""
+        return True
+
+    def moe_layers(self, config: PretrainedConfig) -> list[MoELayerInfo]:
+        experts = self.config_value(config, self.num_experts_keys)
+        if not experts:
+            return []
+        info = dict(num_experts=experts, hidden_size=config.hidden_size,
+                    expert_width=self.config_value(config, self.expert_width_keys),
+                    top_k=self.config_value(config, self.top_k_keys))
+        return [MoELayerInfo(layer=i, **info) for i in range(config.num_hidden_layers)
+                if self.is_moe_layer(config, i)]
+
+    # -- tensors ------------------------------------------------------------------------------
+    def role(self, name: str, ndim: int) -> TensorRole:
+        """Classify one checkpoint tensor by its name and rank."""
+        module, _, param = name.rpartition(".")
+        linear = param == "weight" and ndim == 2
+        if m := self._patterns["expert"].match(name):
+            return TensorRole(Kind.ROUTED_EXPERT, module, True, layer=int(m["layer"]),
+                              expert=int(m["expert"]), shard_id=self.projections[m["proj"]])
+        if any(p.match(module) for p in self._patterns["router"]):
+            return TensorRole(Kind.ROUTER, module, linear, "router: top-k choices flip when it is quantized")
+        for pattern, why in self._patterns["keep"]:
+            if pattern.match(module):
+                return TensorRole(Kind.HIGH_PRECISION, module, linear, why)
+        if not linear:
+            return TensorRole(Kind.HIGH_PRECISION, module, False, _not_linear_reason(name, param, ndim))
+        if "embed" in module or module.endswith("wte"):
+            return TensorRole(Kind.HIGH_PRECISION, module, False, "embedding")
+        if module.split(".")[-1] == "lm_head":
+            return TensorRole(Kind.HIGH_PRECISION, module, True, "lm_head: output logits stay high precision")
+        if any(p.match(name) for p in self._patterns["shared"]):
+            return TensorRole(Kind.SHARED_EXPERT, module, True)
+        return TensorRole(Kind.LINEAR, module, True)
+
+
+def _not_linear_reason(name: str, param: str, ndim: int) -> str:
+    if "bias" in param:
+        return "bias"
+    if ndim == 1 and param == "weight":
+        return "norm or other 1-D weight"
+    return f"not a 2-D Linear weight ({ndim}-D '{param}')"

@@ -1,0 +1,152 @@
+"""Pure-torch reference of the fused-MoE layer, on CPU or GPU.
+
+It computes what `quantize_moe.kernels.fused_experts` computes, one expert at
+a time and in a caller-chosen precision (float64 for the "float64
+reference"), so that the kernels can be checked against it. When the weights
+are FP8, activations are quantized exactly as the kernels do it (same scale
+formula, same rounding), so kernel and reference differ only by the kernel's
+accumulation and intermediate rounding. `quantize_activations=False` keeps
+activations unquantized, which separates kernel error from activation
+quantization error.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# Scales are amax * (1 / 448) rather than amax / 448: a multiplication rounds
+# the same way in torch and in Triton, a division need not.
+FP8_MAX_INV = 1.0 / FP8_MAX
+# Keeps the scale of an all-zero row or group positive (no division by zero).
+MIN_SCALE = 1e-12
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    return (amax.float() * FP8_MAX_INV).clamp(min=MIN_SCALE)
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # torch turns out-of-range values into NaN; the GPU conversion saturates.
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization with one scale per row: returns (q [T, K], scale [T, 1])."""
+    scale = _scale_from_amax(x.abs().amax(dim=-1, keepdim=True))
+    return _to_fp8(x, scale), scale
+
+
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization with one scale for the whole tensor: returns (q, scale [1])."""
+    scale = _scale_from_amax(x.abs().amax()).reshape(1)
+    return _to_fp8(x, scale), scale
+
+
+def quantize_per_token_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization with one scale per row and `group_size` columns.
+
+    Returns (q [T, K], scale [T, ceil(K / group_size)]); the last group may be short.
+    """
+    rows, cols = x.shape
+    num_groups = -(-cols // group_size)
+    padded = F.pad(x.float().abs(), (0, num_groups * group_size - cols))
+    scale = _scale_from_amax(padded.view(rows, num_groups, group_size).amax(dim=-1))
+    return _to_fp8(x, _expand_groups(scale, group_size, cols)), scale
+
+
+def _expand_groups(scale: torch.Tensor, group_size: int, length: int) -> torch.Tensor:
+    """Repeat each scale over the `group_size` positions it covers along the last dim."""
+    return scale.repeat_interleave(group_size, dim=-1)[..., :length]
+
+
+def quantize_activation(x: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations [T, K] as `quant.activation` says: (q, scale)."""
+    if quant.activation == "token":
+        return quantize_per_token(x)
+    if quant.activation == "tensor":
+        return quantize_per_tensor(x)
+    return quantize_per_token_group(x, quant.block_shape[1])
+
+
+def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_activation`, for any of its three scale shapes."""
+    cols = q.shape[-1]
+    if scale.dim() == 2 and scale.shape[-1] > 1:
+        group_size = -(-cols // scale.shape[-1])
+        scale = _expand_groups(scale, group_size, cols)
+    return q.to(dtype) * scale.to(dtype)
+
+
+def dequantize_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, quant: MoEQuantSpec, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] in `dtype`, scaled per `quant.weight`."""
+    if not quant.is_fp8:
+        return w.to(dtype)
+    scale = scale.to(dtype)
+    if quant.weight == "tensor":
+        scale = scale.view(-1, 1, 1)
+    elif quant.weight == "channel":
+        scale = scale.unsqueeze(-1)
+    else:
+        block_n, block_k = quant.block_shape
+        scale = _expand_groups(scale, block_k, w.shape[2])
+        scale = _expand_groups(scale.transpose(1, 2), block_n, w.shape[1]).transpose(1, 2)
+    return w.to(dtype) * scale
+
+
+def _fake_quantize(x: torch.Tensor, quant: MoEQuantSpec) -> torch.Tensor:
+    """Round activations through FP8 and back, keeping x's dtype."""
+    q, scale = quantize_activation(x.float(), quant)
+    return dequantize_activation(q, scale, x.dtype)
+
+
+def fused_experts_reference(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    quant: MoEQuantSpec = UNQUANTIZED,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """The MoE layer sum_k w_k * W2_e (SiLU(gate_e x) * up_e x), returned in compute_dtype.
+
+    hidden_states [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    topk_weights [T, k]; topk_ids [T, k]. FP8 weights are dequantized with their
+    scales; when quant.is_fp8 and quantize_activations, the GEMM inputs are
+    quantized dynamically as the kernels do (the second GEMM's input over all
+    (token, k) pairs at once, which matters for per-tensor scales).
+    """
+    num_tokens, top_k = topk_ids.shape
+    inter = w2.shape[2]
+    fake_quant = quant.is_fp8 and quantize_activations
+    w13_full = dequantize_weight(w13, w13_scale, quant, compute_dtype)
+    w2_full = dequantize_weight(w2, w2_scale, quant, compute_dtype)
+
+    x = hidden_states.to(compute_dtype)
+    if fake_quant:
+        x = _fake_quantize(x, quant)
+    expert_of_pair = topk_ids.reshape(-1).long()
+    token_of_pair = torch.arange(num_tokens * top_k, device=x.device) // top_k
+    pairs_of_expert = {int(e): (expert_of_pair == e).nonzero().squeeze(1) for e in expert_of_pair.unique()}
+
+    act = torch.empty(num_tokens * top_k, inter, dtype=compute_dtype, device=x.device)
+    for expert, pairs in pairs_of_expert.items():
+        gate_up = x[token_of_pair[pairs]] @ w13_full[expert].T
+        act[pairs] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    if fake_quant:
+        act = _fake_quantize(act, quant)
+
+    out = torch.empty(num_tokens * top_k, w2.shape[1], dtype=compute_dtype, device=x.device)
+    for expert, pairs in pairs_of_expert.items():
+        out[pairs] = act[pairs] @ w2_full[expert].T
+    weights = topk_weights.to(compute_dtype).unsqueeze(-1)
+    return (out.view(num_tokens, top_k, -1) * weights).sum(dim=1)

@@ -1,0 +1,225 @@
+"""The plan of a run, made from metadata alone before any tensor data is read.
+
+It decides, for every tensor, whether it is quantized or kept (and why), groups
+tensors that must share a scale, and assigns the output tensors to shards, so
+that sizes, names and the whole output layout are known up front.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, adapter_for, parse_config
+from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.errors import UserError
+from quantize_moe.formats import FORMATS
+from quantize_moe.fp8 import FP8_DTYPE
+from quantize_moe.schemes import SCHEMES
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Sibling Linears that engines fuse into one module (and requantize to one scale at load):
+# quantizing them with one shared scale keeps that load step exact.
+FUSED_SIBLINGS = (
+    frozenset({"w1", "w3"}),
+    frozenset({"gate_proj", "up_proj"}),
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    experts_only: bool = False
+    scheme: str = "tensor"
+    format: str = "fp8"
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+
+
+@dataclass(frozen=True)
+class Decision:
+    info: TensorInfo
+    role: TensorRole
+    quantize: bool
+    reason: str = ""  # why it is kept, when it is
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return TensorInfo(self.name, "", self.dtype, self.shape).nbytes
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Source tensors processed together; quantized items share one scale group."""
+
+    sources: tuple[str, ...]
+    quantize: bool
+    outputs: tuple[OutputTensor, ...]
+    input_bytes: int
+
+
+@dataclass
+class Plan:
+    checkpoint: Checkpoint
+    family: PerExpertFamily
+    config: PretrainedConfig
+    options: Options
+    moe_layers: list[MoELayerInfo]
+    decisions: dict[str, Decision]
+    items: list[WorkItem]
+    shards: list[list[WorkItem]] = field(default_factory=list)
+
+    @property
+    def scheme(self):
+        return SCHEMES[self.options.scheme]
+
+    @property
+    def format(self):
+        return FORMATS[self.options.format]
+
+    @property
+    def ignored_modules(self) -> list[str]:
+        """Every Linear left in high precision, by exact module name."""
+        return sorted({d.role.module for d in self.decisions.values()
+                       if d.role.is_linear_weight and not d.quantize})
+
+    @property
+    def quantization_config(self) -> dict:
+        return self.format.quantization_config(self.ignored_modules)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(d.info.nbytes for d in self.decisions.values())
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(o.nbytes for item in self.items for o in item.outputs)
+
+    @property
+    def shard_names(self) -> list[str]:
+        n = len(self.shards)
+        if n == 1:
+            return ["model.safetensors"]
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
+    if options.scheme not in SCHEMES:
+        raise UserError(f"--scheme {options.scheme} is not available; choose one of {', '.join(SCHEMES)}.")
+    if options.format not in FORMATS:
+        raise UserError(f"--format {options.format} is not available; choose one of {', '.join(FORMATS)}.")
+    raw = checkpoint.raw_config
+    where = f"'{checkpoint.folder / CONFIG_NAME}'"
+    if "quantization_config" in raw:
+        method = raw["quantization_config"].get("quant_method", "unknown")
+        raise UserError(f"{where} says the checkpoint is already quantized ({method}); "
+                        "quantize-moe needs a bf16/fp16/fp32 checkpoint as SRC.")
+    family = adapter_for(raw, where)
+    config = parse_config(raw, family, where)
+    decisions = {name: _decide(info, family.role(name, len(info.shape)), options)
+                 for name, info in checkpoint.tensors.items()}
+    moe_layers = family.moe_layers(config)
+    _check_experts(moe_layers, decisions, where)
+    plan = Plan(checkpoint, family, config, options, moe_layers, decisions, _work_items(decisions, options))
+    plan.shards = _assign_shards(plan.items, options.max_shard_size)
+    return plan
+
+
+def _decide(info: TensorInfo, role: TensorRole, options: Options) -> Decision:
+    if role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION):
+        return Decision(info, role, False, role.reason)
+    if role.kind == Kind.LINEAR and options.experts_only:
+        return Decision(info, role, False, "--experts-only")
+    if info.dtype == FP8_DTYPE or info.dtype not in FLOAT_DTYPES:
+        raise UserError(f"Tensor '{info.name}' in '{info.file}' is {info.dtype}, not bf16/fp16/fp32; "
+                        "quantize-moe needs an unquantized checkpoint as SRC.")
+    return Decision(info, role, True)
+
+
+def _work_items(decisions: dict[str, Decision], options: Options) -> list[WorkItem]:
+    scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
+    groups: dict[tuple, list[str]] = {}
+    for name in sorted(decisions, key=_natural_key):
+        decision = decisions[name]
+        key: tuple = (name,)
+        if decision.quantize:
+            parent, _, leaf = decision.role.module.rpartition(".")
+            siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
+            if siblings is not None:
+                key = (parent, siblings)
+        groups.setdefault(key, []).append(name)
+
+    items = []
+    for names in groups.values():
+        infos = [decisions[n].info for n in names]
+        if decisions[names[0]].quantize:
+            outputs = []
+            for info in infos:
+                module = info.name.removesuffix(".weight")
+                outputs.append(OutputTensor(info.name, FP8_DTYPE, info.shape))
+                outputs.append(OutputTensor(f"{module}.{fmt.scale_suffix}", fmt.scale_dtype(info.dtype),
+                                            scheme.scale_shape(info.shape)))
+        else:
+            outputs = [OutputTensor(i.name, i.dtype, i.shape) for i in infos]
+        items.append(WorkItem(tuple(names), decisions[names[0]].quantize, tuple(outputs),
+                              sum(i.nbytes for i in infos)))
+    return items
+
+
+def _assign_shards(items: list[WorkItem], max_shard_size: int) -> list[list[WorkItem]]:
+    """Greedy split like `save_pretrained`: start a new shard when the next item would overflow."""
+    shards: list[list[WorkItem]] = [[]]
+    size = 0
+    for item in items:
+        item_bytes = sum(o.nbytes for o in item.outputs)
+        if shards[-1] and size + item_bytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item_bytes
+    return shards
+
+
+def _check_experts(moe_layers: list[MoELayerInfo], decisions: dict[str, Decision], where: str) -> None:
+    """Every expert of every MoE layer the config declares is on disk with consistent shapes."""
+    found: dict[int, dict[tuple[int, str], tuple[int, ...]]] = defaultdict(dict)
+    for d in decisions.values():
+        if d.role.kind == Kind.ROUTED_EXPERT:
+            found[d.role.layer][(d.role.expert, d.role.shard_id)] = d.info.shape
+    declared = {info.layer: info for info in moe_layers}
+    undeclared = sorted(set(found) - set(declared))
+    if undeclared:
+        raise UserError(f"Layer {undeclared[0]} has routed experts on disk but {where} does not make it an "
+                        "MoE layer; the config does not belong to these weights.")
+    for layer, info in declared.items():
+        on_disk = found.get(layer, {})
+        experts = {e for e, _ in on_disk}
+        if len(experts) != info.num_experts or experts != set(range(info.num_experts)):
+            raise UserError(f"{where} declares {info.num_experts} experts in layer {layer}, but the "
+                            f"checkpoint holds {len(experts)}; the config does not match the weights.")
+        for expert in range(info.num_experts):
+            shapes = {s: on_disk.get((expert, s)) for s in ("w1", "w3", "w2")}
+            want = {"w1": (info.expert_width, info.hidden_size), "w3": (info.expert_width, info.hidden_size),
+                    "w2": (info.hidden_size, info.expert_width)}
+            for shard_id, shape in shapes.items():
+                if shape != want[shard_id]:
+                    raise UserError(f"Expert {expert} of layer {layer} has a {shard_id} weight of shape "
+                                    f"{shape}, but {where} implies {want[shard_id]}; the config does not "
+                                    "match the weights.")
