@@ -71,8 +71,8 @@ def dequantize(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale).to(dtype)
 
 
-def rounding_bound(original: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """Elementwise worst-case |dequantize(quantize(w)) - w| for e4m3: half an ulp of 3 mantissa
-    bits (2^-4 relative) for normal numbers, half the smallest subnormal (2^-10 * scale) below."""
-    scale = row_scale[:, None] if row_scale.dim() > 0 else row_scale
-    return torch.maximum(original.float().abs() * 2.0**-4, scale * 2.0**-10)
+def rounding_bound(original: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise worst-case |dequantize(quantize(w)) - w| for e4m3, with `scale` broadcastable to
+    `original`: half an ulp of 3 mantissa bits (2^-4 relative) for normal numbers, half the smallest
+    subnormal (2^-10 * scale) below, plus float32 slack for the division."""
+    return torch.maximum(original.float().abs() * 2.0**-4, scale * 2.0**-10) * (1 + 2.0**-20)

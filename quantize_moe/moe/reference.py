@@ -71,13 +71,24 @@ def quantize_activation(x: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Ten
     return quantize_per_token_group(x, quant.block_shape[1])
 
 
-def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_activation`, for any of its three scale shapes."""
-    cols = q.shape[-1]
-    if scale.dim() == 2 and scale.shape[-1] > 1:
-        group_size = -(-cols // scale.shape[-1])
-        scale = _expand_groups(scale, group_size, cols)
+def dequantize_activation(
+    q: torch.Tensor, scale: torch.Tensor, quant: MoEQuantSpec, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize_activation`."""
+    if quant.activation == "group":
+        scale = _expand_groups(scale, quant.block_shape[1], q.shape[-1])
     return q.to(dtype) * scale.to(dtype)
+
+
+def _broadcast_weight_scale(scale: torch.Tensor, quant: MoEQuantSpec, shape: torch.Size) -> torch.Tensor:
+    """A weight scale of any scheme, shaped to broadcast against weights [E, N, K]."""
+    if quant.weight == "tensor":
+        return scale.view(-1, 1, 1)
+    if quant.weight == "channel":
+        return scale.unsqueeze(-1)
+    block_n, block_k = quant.block_shape
+    scale = _expand_groups(scale, block_k, shape[2])
+    return _expand_groups(scale.transpose(1, 2), block_n, shape[1]).transpose(1, 2)
 
 
 def dequantize_weight(
@@ -86,22 +97,33 @@ def dequantize_weight(
     """Stacked expert weights [E, N, K] in `dtype`, scaled per `quant.weight`."""
     if not quant.is_fp8:
         return w.to(dtype)
-    scale = scale.to(dtype)
+    return w.to(dtype) * _broadcast_weight_scale(scale.to(dtype), quant, w.shape)
+
+
+def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 expert weights [E, N, K] and their scale (shapes as in quant_spec.py), from amax.
+
+    For tests and benchmarks: a simple round-to-nearest quantizer of random weights.
+    """
+    num_experts, rows, cols = w.shape
+    magnitude = w.float().abs()
     if quant.weight == "tensor":
-        scale = scale.view(-1, 1, 1)
+        scale = _scale_from_amax(magnitude.amax(dim=(1, 2)))
     elif quant.weight == "channel":
-        scale = scale.unsqueeze(-1)
+        scale = _scale_from_amax(magnitude.amax(dim=2))
     else:
         block_n, block_k = quant.block_shape
-        scale = _expand_groups(scale, block_k, w.shape[2])
-        scale = _expand_groups(scale.transpose(1, 2), block_n, w.shape[1]).transpose(1, 2)
-    return w.to(dtype) * scale
+        row_blocks, col_blocks = -(-rows // block_n), -(-cols // block_k)
+        padded = F.pad(magnitude, (0, col_blocks * block_k - cols, 0, row_blocks * block_n - rows))
+        blocks = padded.view(num_experts, row_blocks, block_n, col_blocks, block_k)
+        scale = _scale_from_amax(blocks.amax(dim=(2, 4)))
+    return _to_fp8(w, _broadcast_weight_scale(scale, quant, w.shape)), scale
 
 
 def _fake_quantize(x: torch.Tensor, quant: MoEQuantSpec) -> torch.Tensor:
     """Round activations through FP8 and back, keeping x's dtype."""
     q, scale = quantize_activation(x.float(), quant)
-    return dequantize_activation(q, scale, x.dtype)
+    return dequantize_activation(q, scale, quant, x.dtype)
 
 
 def fused_experts_reference(

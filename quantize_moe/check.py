@@ -1,0 +1,44 @@
+"""Offline numeric check of a produced checkpoint against its source, layer by layer.
+
+Loads the stacked experts of both through the same FusedMoE weight loader and
+checks every dequantized expert weight against the FP8 e4m3 rounding bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantize_moe import fp8
+from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.moe.methods import expand_scale
+
+
+@dataclass(frozen=True)
+class LayerWeightCheck:
+    layer: int
+    relative_error: float  # ||deq - w|| / ||w|| over w13 and w2 together
+    worst_bound_ratio: float  # max |deq - w| / rounding bound: <= 1 means within FP8 rounding
+
+    @property
+    def ok(self) -> bool:
+        return self.worst_bound_ratio <= 1.0
+
+
+def check_expert_weights(src: str | Path, dst: str | Path) -> list[LayerWeightCheck]:
+    original, quantized = MoECheckpoint.open(src), MoECheckpoint.open(dst)
+    results = []
+    for layer in sorted(original.layers):
+        a, b = original.load_layer(layer), quantized.load_layer(layer)
+        err = norm = 0.0
+        worst = 0.0
+        for w, deq, q, scale in zip(a.dequantized_weights(), b.dequantized_weights(),
+                                    (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
+            bound = fp8.rounding_bound(w, expand_scale(scale, q.shape, quantized.spec))
+            worst = max(worst, ((deq - w).abs() / bound).max().item())
+            err += (deq - w).double().pow(2).sum().item()
+            norm += w.double().pow(2).sum().item()
+        results.append(LayerWeightCheck(layer, (err / max(norm, 1e-300)) ** 0.5, worst))
+    return results

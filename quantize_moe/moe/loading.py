@@ -1,0 +1,65 @@
+"""Load the routed experts of one MoE layer of a checkpoint into a `FusedMoE`.
+
+The original and the quantized checkpoint go through the same path: the adapter
+says which tensor is which expert's w1/w2/w3, the checkpoint's quantization_config
+picks the method object, and the layer's weight loader does the rest.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
+from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.formats import read_quantization
+from quantize_moe.moe.layer import FusedMoE
+from quantize_moe.moe.methods import method_for_spec
+from quantize_moe.moe.quant_spec import MoEQuantSpec
+
+
+@dataclass
+class MoECheckpoint:
+    """A checkpoint opened for layer-by-layer loading of its routed experts."""
+
+    checkpoint: Checkpoint
+    family: PerExpertFamily
+    spec: MoEQuantSpec
+    scale_suffix: str | None
+    layers: dict[int, MoELayerInfo]
+    experts: dict[int, list[tuple[str, int, str]]] = field(default_factory=dict)  # layer -> (module, e, shard)
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "MoECheckpoint":
+        checkpoint = Checkpoint(folder)
+        where = f"'{checkpoint.folder / CONFIG_NAME}'"
+        family = adapter_for(checkpoint.raw_config, where)
+        config = parse_config(checkpoint.raw_config, family, where)
+        spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
+        experts: dict[int, list] = defaultdict(list)
+        for name, info in checkpoint.tensors.items():
+            role = family.role(name, len(info.shape))
+            if role.kind == Kind.ROUTED_EXPERT:
+                experts[role.layer].append((role.module, role.expert, role.shard_id))
+        layers = {info.layer: info for info in family.moe_layers(config)}
+        return cls(checkpoint, family, spec, scale_suffix, layers, dict(experts))
+
+    def load_layer(self, layer: int, device: str | torch.device = "cpu",
+                   params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
+        info = self.layers[layer]
+        moe = FusedMoE(info.num_experts, info.hidden_size, info.expert_width, method_for_spec(self.spec),
+                       params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
+        params = dict(moe.named_parameters())
+        for module, expert, shard_id in self.experts.get(layer, []):
+            prefix = "w2" if shard_id == "w2" else "w13"
+            moe.weight_loader(params[f"{prefix}_weight"], self.checkpoint.get(f"{module}.weight"),
+                              f"{prefix}_weight", shard_id, expert)
+            if self.scale_suffix is not None:
+                moe.weight_loader(params[f"{prefix}_weight_scale"],
+                                  self.checkpoint.get(f"{module}.{self.scale_suffix}").float(),
+                                  f"{prefix}_weight_scale", shard_id, expert)
+        moe.process_weights_after_loading()
+        return moe.to(device)

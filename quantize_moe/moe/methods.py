@@ -1,0 +1,132 @@
+"""Quantization-method objects of the fused-MoE layer (the seed's FusedMoEMethodBase idea).
+
+A method creates the layer's parameters (bf16 weights, or fp8 weights with scales
+shaped as `quant_spec.py` says), post-processes them after loading, and runs the
+layer. Every parameter carries `shard_kind`, which tells the layer's one shared
+weight loader how a checkpoint tensor of shard w1/w2/w3 lands in it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from quantize_moe import fp8
+from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+
+# shard_kind values
+WEIGHT = "weight"  # [E, rows, cols]: w1 fills the first half of w13's rows, w3 the second
+TENSOR_SCALE = "tensor_scale"  # w13: [E, 2] (gate, up) until max-requantized to [E]; w2: [E]
+ROW_SCALE = "row_scale"  # per-channel [E, rows] or per-block [E, row_blocks, col_blocks]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.shard_kind = kind
+    return p
+
+
+class FusedMoEMethodBase:
+    spec: MoEQuantSpec = UNQUANTIZED
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, expert_width: int,
+                       params_dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn loaded checkpoint tensors into what `apply` expects."""
+
+    def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in float32: the stacked view, whatever the storage."""
+        raise NotImplementedError
+
+    def scales(self, layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return None, None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              *, use_kernels: bool) -> torch.Tensor:
+        w13_scale, w2_scale = self.scales(layer)
+        args = (x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        kwargs = dict(quant=self.spec, w13_scale=w13_scale, w2_scale=w2_scale)
+        if use_kernels:
+            from quantize_moe.kernels import fused_experts
+            return fused_experts(*args, **kwargs)
+        from quantize_moe.moe.reference import fused_experts_reference
+        return fused_experts_reference(*args, **kwargs).to(x.dtype)
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    def create_weights(self, layer, num_experts, hidden_size, expert_width, params_dtype):
+        layer.w13_weight = _param((num_experts, 2 * expert_width, hidden_size), params_dtype, WEIGHT)
+        layer.w2_weight = _param((num_experts, hidden_size, expert_width), params_dtype, WEIGHT)
+
+    def dequantized_weights(self, layer):
+        return layer.w13_weight.float(), layer.w2_weight.float()
+
+
+class Fp8FusedMoEMethod(FusedMoEMethodBase):
+    """FP8 weights with per-tensor, per-channel or 128x128-block scales."""
+
+    def __init__(self, spec: MoEQuantSpec):
+        assert spec.is_fp8
+        self.spec = spec
+
+    def create_weights(self, layer, num_experts, hidden_size, expert_width, params_dtype):
+        E, H, I = num_experts, hidden_size, expert_width
+        layer.w13_weight = _param((E, 2 * I, H), fp8.FP8_DTYPE, WEIGHT)
+        layer.w2_weight = _param((E, H, I), fp8.FP8_DTYPE, WEIGHT)
+        if self.spec.weight == "tensor":
+            layer.w13_weight_scale = _param((E, 2), torch.float32, TENSOR_SCALE)
+            layer.w2_weight_scale = _param((E,), torch.float32, TENSOR_SCALE)
+        elif self.spec.weight == "channel":
+            layer.w13_weight_scale = _param((E, 2 * I), torch.float32, ROW_SCALE)
+            layer.w2_weight_scale = _param((E, H), torch.float32, ROW_SCALE)
+        else:
+            bn, bk = self.spec.block_shape
+            # Gate blocks then up blocks: engines need I % bn == 0 so the halves do not share a block.
+            layer.w13_weight_scale = _param((E, 2 * math.ceil(I / bn), math.ceil(H / bk)), torch.float32,
+                                            ROW_SCALE)
+            layer.w2_weight_scale = _param((E, math.ceil(H / bn), math.ceil(I / bk)), torch.float32, ROW_SCALE)
+
+    def process_weights_after_loading(self, layer):
+        """Per-tensor: gate and up may carry different scales (AutoFP8, llm-compressor); requantize both
+        halves with their max, as vLLM does, so one scale per expert reaches the kernel."""
+        if self.spec.weight != "tensor" or layer.w13_weight_scale.dim() == 1:
+            return
+        scales = layer.w13_weight_scale.data
+        shared = scales.max(dim=1).values
+        I = layer.w13_weight.shape[1] // 2
+        layer.requantized_experts = 0
+        for e in torch.nonzero(scales[:, 0] != scales[:, 1]).flatten().tolist():
+            for half in range(2):
+                rows = layer.w13_weight.data[e, half * I:(half + 1) * I]
+                rows.copy_(fp8.quantize(fp8.dequantize(rows.cpu(), scales[e, half].cpu()), shared[e].cpu())
+                           .to(rows.device))
+            layer.requantized_experts += 1
+        layer.w13_weight_scale = _param(shared.shape, torch.float32, TENSOR_SCALE)
+        layer.w13_weight_scale.data.copy_(shared)
+
+    def scales(self, layer):
+        return layer.w13_weight_scale.data, layer.w2_weight_scale.data
+
+    def dequantized_weights(self, layer):
+        return tuple(w.data.float() * expand_scale(s.data, w.shape, self.spec)
+                     for w, s in ((layer.w13_weight, layer.w13_weight_scale),
+                                  (layer.w2_weight, layer.w2_weight_scale)))
+
+
+def expand_scale(scale: torch.Tensor, shape: torch.Size, spec: MoEQuantSpec) -> torch.Tensor:
+    """Per-tensor [E], per-channel [E, N] or block scales of an [E, N, K] weight, broadcastable to it."""
+    E, N, K = shape
+    if spec.weight == "tensor":
+        return scale.reshape(E, 1, 1)
+    if spec.weight == "channel":
+        return scale.reshape(E, N, 1)
+    bn, bk = spec.block_shape
+    return scale.repeat_interleave(bn, dim=1)[:, :N].repeat_interleave(bk, dim=2)[:, :, :K]
+
+
+def method_for_spec(spec: MoEQuantSpec) -> FusedMoEMethodBase:
+    return Fp8FusedMoEMethod(spec) if spec.is_fp8 else UnquantizedFusedMoEMethod()

@@ -1,0 +1,77 @@
+"""Rich tables that tell people what a plan does and what a run did."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.table import Table
+
+from quantize_moe.console import human_bytes
+from quantize_moe.plan import Plan
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            spans.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(spans) or "none"
+
+
+def overview_table(plan: Plan) -> Table:
+    """Family, MoE layout and sizes."""
+    table = Table(title="Checkpoint", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    moe = plan.moe_layers
+    table.add_row("folder", str(plan.checkpoint.folder))
+    table.add_row("family (adapter)", f"{plan.family.name} ({plan.config.model_type})")
+    table.add_row("layers", str(plan.config.num_hidden_layers))
+    table.add_row("MoE layers", f"{len(moe)}: {_layer_ranges([m.layer for m in moe])}")
+    if moe:
+        table.add_row("experts per layer", f"{moe[0].num_experts} (top-{moe[0].top_k})")
+        table.add_row("expert width x hidden", f"{moe[0].expert_width} x {moe[0].hidden_size}")
+    table.add_row("scheme / format", f"{plan.options.scheme} / {plan.options.format}")
+    table.add_row("size before -> after",
+                  f"{human_bytes(plan.bytes_before)} -> {human_bytes(plan.bytes_after)} "
+                  f"in {len(plan.shards)} shard(s)")
+    return table
+
+
+def decisions_table(plan: Plan) -> Table:
+    """How many tensors of each kind are quantized or kept, and why."""
+    rows: Counter = Counter()
+    sizes: Counter = Counter()
+    examples: dict = {}
+    for d in plan.decisions.values():
+        key = (d.role.kind.value, "quantized" if d.quantize else "kept", d.reason)
+        rows[key] += 1
+        sizes[key] += d.info.nbytes
+        examples.setdefault(key, d.info.name)
+    table = Table(title="What is quantized and what stays")
+    for column in ("kind", "action", "tensors", "bytes", "reason", "example"):
+        table.add_column(column, overflow="fold")
+    for key in sorted(rows, key=lambda k: (k[1], -sizes[k])):
+        kind, action, reason = key
+        style = "green" if action == "quantized" else "yellow"
+        table.add_row(kind, f"[{style}]{action}[/]", str(rows[key]), human_bytes(sizes[key]), reason or "-",
+                      examples[key])
+    return table
+
+
+def run_table(plan: Plan, seconds: float, copied_files: list[str]) -> Table:
+    quantized = sum(d.quantize for d in plan.decisions.values())
+    table = Table(title="Result", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("tensors quantized", str(quantized))
+    table.add_row("tensors kept", str(len(plan.decisions) - quantized))
+    table.add_row("bytes before -> after", f"{human_bytes(plan.bytes_before)} -> {human_bytes(plan.bytes_after)} "
+                  f"({plan.bytes_after / max(plan.bytes_before, 1):.0%})")
+    table.add_row("files copied", ", ".join(copied_files) or "none")
+    table.add_row("time", f"{seconds:.1f} s ({human_bytes(plan.bytes_before / max(seconds, 1e-9))}/s)")
+    return table
