@@ -1,0 +1,80 @@
+"""The Triton kernels under TRITON_INTERPRET=1, run by test_kernels.py in a subprocess.
+
+Not collected by a plain `pytest` run (no test_ prefix): the interpreter must
+be on before the kernels are decorated. Operands are float32, or FP8
+quantized with torch: the interpreter gets bf16 dots and casts to fp8 wrong,
+while fp32 and fp8 x fp8 dots are right.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_inputs import MODES, quantized, random_problem, relative_error
+from quantize_moe.kernels import fused_experts
+from quantize_moe.kernels.activation import silu_and_mul
+from quantize_moe.kernels.align import moe_align_block_size
+from quantize_moe.kernels.fused_moe import invoke_grouped_gemm
+from quantize_moe.kernels.quant import quantize_fp8
+from quantize_moe.moe.reference import dequantize_activation, dequantize_weight, fused_experts_reference, quantize_activation
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
+
+SMALL = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 48, 4, 1), (19, 96, 40, 8, 3)])  # T, H, I, E, k; T*k not a multiple of 16
+def test_fused_experts_fp32(shape):
+    p = random_problem(*shape)
+    out = fused_experts(*p.args(), config=SMALL)
+    ref = fused_experts_reference(*p.args(), compute_dtype=torch.float64)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_gemm_fp8_operands(mode):
+    """Both GEMMs with FP8 inputs quantized by torch: scales applied as the spec says."""
+    tokens, top_k, experts = 11, 2, 4
+    p = quantized(random_problem(tokens, 256, 160, experts, top_k), MODES[mode])
+    config = dict(SMALL, BLOCK_SIZE_K=64)  # divides the 128 quantization group
+    sorted_ids, expert_ids, num_post = moe_align_block_size(p.topk_ids, config["BLOCK_SIZE_M"], experts)
+    align = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post,
+                 quant=p.quant, config=config)
+    flat_ids = p.topk_ids.reshape(-1).long()
+
+    x, x_scale = quantize_activation(p.hidden_states, p.quant)
+    gate_up = torch.full((tokens * top_k, p.w13.shape[1]), float("nan"))
+    invoke_grouped_gemm(x, x_scale, p.w13, p.w13_scale, gate_up, None, a_row_divisor=top_k, **align)
+    x_exact = dequantize_activation(x, x_scale, p.quant, torch.float64).repeat_interleave(top_k, dim=0)
+    w13 = dequantize_weight(p.w13, p.w13_scale, p.quant, torch.float64)[flat_ids]
+    assert relative_error(gate_up, torch.einsum("ph,pnh->pn", x_exact, w13)) < 1e-5
+
+    act, act_scale = quantize_activation(torch.randn(tokens * top_k, p.w2.shape[2]), p.quant)
+    out = torch.full((tokens * top_k, p.w2.shape[1]), float("nan"))
+    weights = p.topk_weights.reshape(-1)
+    invoke_grouped_gemm(act, act_scale, p.w2, p.w2_scale, out, weights, a_row_divisor=1, **align)
+    act_exact = dequantize_activation(act, act_scale, p.quant, torch.float64)
+    w2 = dequantize_weight(p.w2, p.w2_scale, p.quant, torch.float64)[flat_ids]
+    expected = torch.einsum("pi,phi->ph", act_exact, w2) * weights.double().unsqueeze(1)
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_silu_and_mul():
+    gate_up = torch.randn(7, 2 * 1500)
+    expected = F.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
+    torch.testing.assert_close(silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fuse_silu_mul", [False, True])
+def test_quantization_scales(mode, fuse_silu_mul):
+    """The scales (fp32 arithmetic, right in the interpreter); fp8 values are checked on the GPU."""
+    x = torch.randn(5, 2 * 300) * torch.logspace(-2, 2, 5).unsqueeze(1)
+    _, scale = quantize_fp8(x, MODES[mode], fuse_silu_mul=fuse_silu_mul)
+    values = F.silu(x[:, :300]) * x[:, 300:] if fuse_silu_mul else x
+    _, expected = quantize_activation(values, MODES[mode])
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)

@@ -1,0 +1,155 @@
+"""CPU tests of the fused-MoE reference, the align step, the configs, the kernels
+under the Triton interpreter (in a subprocess) and the wheel layout."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_inputs import MODES, quantized, random_problem, relative_error
+from quantize_moe.kernels.align import moe_align_block_size
+from quantize_moe.kernels.configs import CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table
+from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.moe.reference import FP8_MAX, dequantize_activation, fused_experts_reference, quantize_activation
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dense_moe(x, w13, w2, topk_weights, topk_ids):
+    """The layer written per (token, slot) with gathered weights: no expert grouping."""
+    inter = w2.shape[2]
+    gate_up = torch.einsum("th,tknh->tkn", x, w13[topk_ids.long()])
+    act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    out = torch.einsum("tki,tkhi->tkh", act, w2[topk_ids.long()])
+    return (out * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 8, 4, 1), (9, 32, 24, 8, 3)])
+def test_reference_matches_dense_computation(shape):
+    p = random_problem(*shape, dtype=torch.float64)
+    ref = fused_experts_reference(*p.args(), compute_dtype=torch.float64)
+    torch.testing.assert_close(ref, _dense_moe(*p.args()), rtol=1e-12, atol=1e-12)
+
+
+def _dequantize_independently(w, scale, quant):
+    """Weight dequantization written out per scheme; blocks as an explicit loop."""
+    if quant.weight == "tensor":
+        return w.double() * scale.double()[:, None, None]
+    if quant.weight == "channel":
+        return w.double() * scale.double()[:, :, None]
+    block_n, block_k = quant.block_shape
+    out = w.double().clone()
+    for n0 in range(0, w.shape[1], block_n):
+        for k0 in range(0, w.shape[2], block_k):
+            out[:, n0:n0 + block_n, k0:k0 + block_k] *= scale[:, n0 // block_n, k0 // block_k].double()[:, None, None]
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_reference_without_activation_quantization(mode):
+    """Weights dequantized independently, activations exact: the reference is the dense layer."""
+    p = quantized(random_problem(6, 200, 136, 4, 2), MODES[mode])
+    w13 = _dequantize_independently(p.w13, p.w13_scale, p.quant)
+    w2 = _dequantize_independently(p.w2, p.w2_scale, p.quant)
+    ref = fused_experts_reference(*p.args(), **p.kwargs(), compute_dtype=torch.float64, quantize_activations=False)
+    expected = _dense_moe(p.hidden_states.double(), w13, w2, p.topk_weights.double(), p.topk_ids)
+    torch.testing.assert_close(ref, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_quantization_costs_fp8_accuracy_only(mode):
+    """Quantized activations change the output by FP8 rounding: a few percent, not more, not zero."""
+    p = quantized(random_problem(16, 256, 128, 4, 2), MODES[mode])
+    exact = fused_experts_reference(*p.args(), **p.kwargs(), compute_dtype=torch.float64, quantize_activations=False)
+    fake = fused_experts_reference(*p.args(), **p.kwargs(), compute_dtype=torch.float64)
+    assert 1e-3 < relative_error(fake, exact) < 0.08
+
+
+@pytest.mark.parametrize("scheme", ["token", "tensor", "group"])
+def test_activation_quantization_round_trip(scheme):
+    quant = MoEQuantSpec("block", "group", (128, 128)) if scheme == "group" else MoEQuantSpec("tensor", scheme)
+    x = torch.randn(5, 300) * torch.logspace(-2, 2, 5).unsqueeze(1)
+    x[2] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_activation(x, quant)
+    expected_shape = {"token": (5, 1), "tensor": (1,), "group": (5, 3)}[scheme]
+    assert q.dtype == torch.float8_e4m3fn and tuple(scale.shape) == expected_shape
+    assert q.float().abs().max() == FP8_MAX  # the largest magnitude maps to the top of the range
+    assert torch.isfinite(q.float()).all()
+    back = dequantize_activation(q, scale, quant, torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative rounding error at most 2^-4 per element above the subnormals.
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + scale.max() * 2 ** -9).all()
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 1, 4, 16), (37, 3, 8, 16), (64, 8, 256, 64)])
+def test_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
+    topk_ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k].int()
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, experts)
+    num_pairs, used = tokens * top_k, int(num_post)
+    assert used % block_m == 0 and sorted_ids.numel() % block_m == 0 and expert_ids.numel() == sorted_ids.numel() // block_m
+    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
+    assert (sorted_ids[used:] == num_pairs).all()
+    flat = topk_ids.reshape(-1)
+    for block in range(used // block_m):
+        rows = sorted_ids[block * block_m:(block + 1) * block_m]
+        rows = rows[rows < num_pairs]
+        assert len(rows) > 0 and (flat[rows.long()] == expert_ids[block]).all()
+    assert (expert_ids[used // block_m:] == -1).all()
+    counts = torch.bincount(flat.long(), minlength=experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_config_file_names():
+    name = config_file_name(256, 4096, "NVIDIA H200", MoEQuantSpec("block", "group", (128, 128)))
+    assert name == "E=256,N=4096,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    assert config_file_name(8, 28672, "NVIDIA H200", MoEQuantSpec()) == "E=8,N=28672,device_name=NVIDIA_H200.json"
+
+
+def test_default_config_block_k_divides_quantization_group():
+    quant = MoEQuantSpec("block", "group", (128, 128))
+    for tokens in (1, 64, 1024, 16384):
+        config = default_config(tokens, 128, 8, quant)
+        assert 128 % config["BLOCK_SIZE_K"] == 0
+
+
+def test_tuned_tables_are_complete_and_nearest_key_wins(monkeypatch):
+    """Every shipped table has all launch keys; get_config picks the nearest token count."""
+    for name in os.listdir(REPO / "configs"):
+        if name.endswith(".json"):
+            table = load_tuned_table(name)
+            assert table and all(set(c) >= set(CONFIG_KEYS) for c in table.values()), name
+    table = {1: {"BLOCK_SIZE_M": 16}, 64: {"BLOCK_SIZE_M": 32}, 1024: {"BLOCK_SIZE_M": 128}}
+    monkeypatch.setattr("quantize_moe.kernels.configs.load_tuned_table", lambda name: table)
+    assert get_config(40, 8, 128, 2, MoEQuantSpec())["BLOCK_SIZE_M"] == 32
+    assert get_config(700, 8, 128, 2, MoEQuantSpec())["BLOCK_SIZE_M"] == 128
+
+
+def test_kernels_under_triton_interpreter():
+    """The Triton kernels on CPU: TRITON_INTERPRET is read when kernels are decorated, so a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interpreted_kernels.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+@pytest.mark.slow
+def test_wheel_ships_kernels_inside_quantize_moe(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "-w", str(tmp_path), "--no-deps", "--no-build-isolation", "-q"],
+        check=True, capture_output=True, cwd=tmp_path, timeout=300,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "quantize_moe/kernels/fused_moe.py" in names and "quantize_moe/kernels/__init__.py" in names
+    assert not any(name.startswith(("kernels/", "configs/")) for name in names)
+    shipped_tables = {n.split("/")[-1] for n in names if n.startswith("quantize_moe/configs/") and n.endswith(".json")}
+    assert shipped_tables == {n for n in os.listdir(REPO / "configs") if n.endswith(".json")}
