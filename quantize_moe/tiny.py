@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 
 _ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=128, tie_word_embeddings=False)
@@ -37,6 +38,7 @@ def build_tiny_checkpoint(model_type: str, folder: str | Path, *, seed: int = 0,
                           max_shard_size: str = "100KB", dtype: torch.dtype = torch.bfloat16) -> Path:
     """Save a randomly initialised tiny model of `model_type` to `folder`, in several shards."""
     folder = Path(folder)
+    transformers_logging.disable_progress_bar()
     config = CONFIG_MAPPING[model_type](**TINY_CONFIGS[model_type])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

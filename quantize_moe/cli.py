@@ -1,0 +1,120 @@
+"""The `quantize-moe` command line."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from transformers.utils.hub import convert_file_size_to_int
+
+from quantize_moe.check import check_expert_weights
+from quantize_moe.console import console, stdout
+from quantize_moe.errors import UserError
+from quantize_moe.plan import Options, make_plan
+from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.report import decisions_table, overview_table, run_table
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  help="Quantize Hugging Face Mixture-of-Experts checkpoints to FP8 and prove them correct.")
+
+
+def user_errors(command):
+    """Report a UserError as one red sentence and exit 1, without a traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(1) from None
+    return run
+
+
+def _shard_size(value: str) -> int:
+    try:
+        return convert_file_size_to_int(value)
+    except ValueError:
+        raise UserError(f"--max-shard-size '{value}' is not a size; write it like 5GB, 500MB or 1000000.") \
+            from None
+
+
+ExpertsOnly = Annotated[bool, typer.Option("--experts-only", help="Quantize the routed and shared experts only.")]
+MaxShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")]
+
+
+@app.command()
+@user_errors
+def quantize(
+    src: Annotated[Path, typer.Argument(help="Checkpoint folder (safetensors) to quantize.")],
+    dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
+    experts_only: ExpertsOnly = False,
+    max_shard_size: MaxShardSize = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace the checkpoint in a non-empty DST.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
+    and every other file of SRC unchanged."""
+    from quantize_moe.quantize import quantize_checkpoint
+
+    options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size))
+    summary = quantize_checkpoint(src, dst, options, overwrite=overwrite, show_progress=progress)
+    stdout.print(decisions_table(summary.plan))
+    stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
+    stdout.print(f"[green]wrote[/] {dst}")
+
+
+@app.command()
+@user_errors
+def inspect(
+    src: Annotated[Path, typer.Argument(help="Checkpoint folder to describe.")],
+    experts_only: ExpertsOnly = False,
+    max_shard_size: MaxShardSize = "5GB",
+) -> None:
+    """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, and sizes.
+    Reads metadata only."""
+    plan = make_plan(Checkpoint(src), Options(experts_only=experts_only,
+                                              max_shard_size=_shard_size(max_shard_size)))
+    stdout.print(overview_table(plan))
+    stdout.print(decisions_table(plan))
+
+
+@app.command()
+@user_errors
+def demo(
+    family: Annotated[str, typer.Option(help="model_type of the tiny checkpoint to build.")] = "mixtral",
+) -> None:
+    """Build a small checkpoint of a real MoE family, quantize it, check it and print the report.
+    Runs offline on a CPU."""
+    from quantize_moe.quantize import quantize_checkpoint
+    from quantize_moe.tiny import TINY_CONFIGS, build_tiny_checkpoint
+
+    if family not in TINY_CONFIGS:
+        raise UserError(f"--family {family} has no demo checkpoint; choose one of {', '.join(TINY_CONFIGS)}.")
+    with tempfile.TemporaryDirectory(prefix="quantize-moe-demo-") as tmp:
+        src, dst = Path(tmp) / "bf16", Path(tmp) / "fp8"
+        console.print(f"building a tiny {family} checkpoint with transformers in {src}")
+        build_tiny_checkpoint(family, src, max_shard_size="200KB")
+        summary = quantize_checkpoint(src, dst, Options(max_shard_size=200_000))
+        stdout.print(overview_table(summary.plan))
+        stdout.print(decisions_table(summary.plan))
+        stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
+        _report_weight_check(src, dst)
+
+
+def _report_weight_check(src: Path, dst: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title="Routed experts: dequantized FP8 vs original")
+    for column in ("layer", "relative error", "worst error / FP8 rounding bound", "ok"):
+        table.add_column(column)
+    checks = check_expert_weights(src, dst)
+    for c in checks:
+        table.add_row(str(c.layer), f"{c.relative_error:.2e}", f"{c.worst_bound_ratio:.3f}",
+                      "[green]yes[/]" if c.ok else "[red]NO[/]")
+    stdout.print(table)
+    if not all(c.ok for c in checks):
+        raise UserError("Some expert weights are outside FP8 rounding of the original; this is a bug in "
+                        "quantize-moe, please report it.")
