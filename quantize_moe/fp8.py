@@ -58,9 +58,12 @@ def quantize(weight: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=FP8_DTYPE)
     per_row = row_scale.dim() > 0
+    # One float32 buffer reused for every chunk; the source (possibly a read-only mmap) is never written.
+    buffer = torch.empty(min(rows, max(1, CHUNK_ELEMENTS // max(cols, 1))), cols, dtype=torch.float32)
     for start, end in _row_chunks(rows, cols):
         scale = row_scale[start:end, None] if per_row else row_scale
-        chunk = weight[start:end].float().div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+        chunk = buffer[:end - start]
+        chunk.copy_(weight[start:end]).div_(scale).clamp_(-FP8_MAX, FP8_MAX)
         out[start:end].copy_(chunk)
     return out
 
