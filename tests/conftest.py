@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+os.environ.setdefault("COLUMNS", "200")  # rich wraps tables at 80 columns without a terminal
 
 import pytest
 

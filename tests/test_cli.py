@@ -1,0 +1,107 @@
+"""The command line: usage, reports, and one-sentence errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantize_moe.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception,
+                                                                                       SystemExit)
+    for fragment in fragments:
+        assert fragment in " ".join(result.output.split()), result.output
+
+
+def test_quantize_and_inspect(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen2_moe")
+    result = invoke("inspect", src)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for fragment in ("Qwen2-MoE (qwen2_moe)", "MoE layers", "2: 0, 2", "4 (top-2)", "32 x 64", "router",
+                     "shared_expert_gate", "routed expert", "quantized"):
+        assert fragment in text, fragment
+    result = invoke("quantize", src, tmp_path / "out", "--max-shard-size", "50KB", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "tensors quantized" in result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_demo_runs_offline():
+    result = invoke("demo")
+    assert result.exit_code == 0, result.output
+    assert "Routed experts: dequantized FP8 vs original" in result.output and "NO" not in result.output
+
+
+def test_unknown_family_lists_the_supported_ones(tiny_checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("mixtral"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert_user_error(invoke("inspect", src), "model_type 'llama'", "mixtral", "qwen3_moe")
+
+
+def test_nan_weight_fails_cleanly_and_leaves_no_complete_looking_output(tiny_checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("mixtral", max_shard_size="1GB"), src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"][0, 0] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    before = (src / "model.safetensors").read_bytes()
+    result = invoke("quantize", src, tmp_path / "out", "--no-progress")
+    assert_user_error(result, "'model.layers.1.block_sparse_moe.experts.2.w2.weight' contains NaN or Inf")
+    assert (src / "model.safetensors").read_bytes() == before
+    assert not (tmp_path / "out" / "config.json").exists()
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_destination_rules(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("mixtral")
+    assert_user_error(invoke("quantize", src, src / "fp8"), "is SRC or inside it")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert_user_error(invoke("quantize", src, tmp_path / "busy"), "is not empty", "--overwrite")
+    result = invoke("quantize", src, tmp_path / "busy", "--overwrite", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+
+
+def test_bad_max_shard_size(tiny_checkpoint, tmp_path):
+    assert_user_error(invoke("quantize", tiny_checkpoint("mixtral"), tmp_path / "o", "--max-shard-size", "big"),
+                      "--max-shard-size 'big'")
+
+
+def test_already_quantized_input_is_refused(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("mixtral")
+    assert invoke("quantize", src, tmp_path / "fp8", "--no-progress").exit_code == 0
+    assert_user_error(invoke("quantize", tmp_path / "fp8", tmp_path / "again"), "already quantized (fp8)")
+
+
+def test_expert_count_mismatch(tiny_checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_local_experts": 16}))
+    assert_user_error(invoke("inspect", src), "declares 16 experts in layer 0", "holds 8")
+
+
+def test_kept_weights_stay_bit_identical_through_the_cli(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("deepseek_v3", max_shard_size="1GB")
+    assert invoke("quantize", src, tmp_path / "out", "--no-progress").exit_code == 0
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    original = load_file(src / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert out[bias].dtype == original[bias].dtype and torch.equal(out[bias], original[bias])
