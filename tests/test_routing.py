@@ -108,3 +108,16 @@ def test_rule_validation():
         RoutingRule("grouped_sigmoid", top_k=2, n_group=4, topk_group=5)
     with pytest.raises(ValueError):
         RoutingRule("softmax_topk", top_k=0)
+
+
+@pytest.mark.parametrize("topk_method,n_group,topk_group", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_deepseek_v2_softmax(topk_method, n_group, topk_group):
+    from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=3, topk_method=topk_method,
+                              n_group=n_group, topk_group=topk_group, routed_scaling_factor=1.7)
+    router = _randomize(DeepseekV2TopkRouter(config))
+    logits, weights, ids = router(torch.randn(TOKENS, HIDDEN))
+    rule = RoutingRule("grouped_softmax", top_k=3, n_group=n_group, topk_group=topk_group, routed_scaling_factor=1.7)
+    _assert_same_routing(select_experts(logits, rule), (weights, ids))

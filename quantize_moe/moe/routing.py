@@ -7,6 +7,7 @@ returns float32 weights and int32 expert ids, the inputs of `fused_experts`.
 | scoring         | families                     | weights                                        |
 |-----------------|------------------------------|------------------------------------------------|
 | softmax_topk    | Mixtral, Qwen2/3-MoE, OLMoE  | softmax over all experts, top-k, renormalize?  |
+| grouped_softmax | DeepSeek-V2                  | softmax; groups ranked by their best expert    |
 | grouped_sigmoid | DeepSeek-V3, GLM-4.5 (MoE)   | sigmoid; bias-corrected grouped choice         |
 | topk_softmax    | gpt-oss                      | top-k of the (biased) logits, softmax of those |
 | topk_sigmoid    | Llama-4                      | sigmoid of the chosen logits                   |
@@ -21,7 +22,7 @@ from typing import Literal
 
 import torch
 
-Scoring = Literal["softmax_topk", "grouped_sigmoid", "topk_softmax", "topk_sigmoid"]
+Scoring = Literal["softmax_topk", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "topk_sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,10 @@ class RoutingRule:
     renormalize: bool = False
     # grouped_sigmoid: experts form n_group equal groups, ranked by the sum of
     # their two best biased scores; experts of the best topk_group groups compete.
+    # grouped_softmax (DeepSeek-V2 group_limited_greedy): groups ranked by their best score.
     n_group: int = 1
     topk_group: int = 1
+    # grouped_sigmoid, grouped_softmax: multiplies the chosen weights.
     routed_scaling_factor: float = 1.0
     # grouped_sigmoid: added to the sigmoid scores for choosing experts only.
     e_score_correction_bias: torch.Tensor | None = field(default=None, compare=False)
@@ -44,7 +47,7 @@ class RoutingRule:
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError("top_k must be positive")
-        if self.scoring == "grouped_sigmoid" and not 1 <= self.topk_group <= self.n_group:
+        if self.scoring.startswith("grouped") and not 1 <= self.topk_group <= self.n_group:
             raise ValueError("need 1 <= topk_group <= n_group")
 
 
@@ -53,6 +56,8 @@ def select_experts(router_logits: torch.Tensor, rule: RoutingRule) -> tuple[torc
     logits = router_logits.reshape(-1, router_logits.shape[-1])
     if rule.scoring == "softmax_topk":
         weights, ids = _softmax_topk(logits, rule)
+    elif rule.scoring == "grouped_softmax":
+        weights, ids = _grouped_softmax(logits, rule)
     elif rule.scoring == "grouped_sigmoid":
         weights, ids = _grouped_sigmoid(logits, rule)
     elif rule.scoring == "topk_softmax":
@@ -73,15 +78,30 @@ def _softmax_topk(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor
     return weights, ids
 
 
+def _group_mask(group_scores: torch.Tensor, topk_group: int, experts_per_group: int) -> torch.Tensor:
+    """[T, E] mask of the experts in each token's best `topk_group` groups."""
+    best_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return group_mask.repeat_interleave(experts_per_group, dim=1)
+
+
+def _grouped_softmax(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if rule.n_group > 1:
+        group_scores = scores.view(num_tokens, rule.n_group, -1).amax(dim=-1)
+        scores = scores.masked_fill(~_group_mask(group_scores, rule.topk_group, num_experts // rule.n_group), 0.0)
+    weights, ids = torch.topk(scores, rule.top_k, dim=-1, sorted=False)
+    return weights * rule.routed_scaling_factor, ids
+
+
 def _grouped_sigmoid(logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_experts = logits.shape
     scores = logits.float().sigmoid()
     for_choice = scores if rule.e_score_correction_bias is None else scores + rule.e_score_correction_bias
     grouped = for_choice.view(num_tokens, rule.n_group, num_experts // rule.n_group)
     group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-    best_groups = group_scores.topk(rule.topk_group, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    expert_mask = _group_mask(group_scores, rule.topk_group, num_experts // rule.n_group)
     ids = for_choice.masked_fill(~expert_mask, float("-inf")).topk(rule.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if rule.renormalize:
