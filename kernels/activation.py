@@ -28,10 +28,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter_size, stride_x, stride_out, BLOCK
     tl.store(out_ptr + row * stride_out + cols, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2I] -> [rows, I] in gate_up's dtype."""
+def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[rows, 2I] -> [rows, I] in out_dtype (default: gate_up's dtype)."""
     rows, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter_size, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(rows, inter_size, dtype=out_dtype or gate_up.dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(inter_size), 1024)
     grid = (rows, triton.cdiv(inter_size, block))
     _silu_and_mul_kernel[grid](gate_up, out, inter_size, gate_up.stride(0), out.stride(0), BLOCK=block)

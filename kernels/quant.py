@@ -71,8 +71,9 @@ def quantize_fp8(x: torch.Tensor, quant: MoEQuantSpec, fuse_silu_mul: bool = Fal
     With fuse_silu_mul, x is a [rows, 2K] gate/up tensor and SiLU(gate) * up is quantized.
     """
     if quant.activation == "tensor" and fuse_silu_mul:
-        # A per-tensor scale needs the whole activation first: materialize it.
-        x, fuse_silu_mul = silu_and_mul(x), False
+        # A per-tensor scale needs the whole activation first: materialize it, in
+        # fp32 so that it is quantized from the same values as in the fused path.
+        x, fuse_silu_mul = silu_and_mul(x, torch.float32), False
     rows = x.shape[0]
     num_cols = x.shape[1] // 2 if fuse_silu_mul else x.shape[1]
     q = torch.empty(rows, num_cols, dtype=FP8_DTYPE, device=x.device)

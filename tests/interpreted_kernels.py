@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_inputs import MODES, quantized, random_problem, relative_error
+from moe_inputs import MODES, assert_valid_alignment, quantized, random_problem, relative_error
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.activation import silu_and_mul
 from quantize_moe.kernels.align import moe_align_block_size
@@ -61,6 +61,12 @@ def test_grouped_gemm_fp8_operands(mode):
     w2 = dequantize_weight(p.w2, p.w2_scale, p.quant, torch.float64)[flat_ids]
     expected = torch.einsum("pi,phi->ph", act_exact, w2) * weights.double().unsqueeze(1)
     assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 1, 4, 16), (37, 3, 8, 16), (300, 8, 256, 64)])
+def test_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
+    topk_ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k].int()
+    assert_valid_alignment(topk_ids, block_m, experts, *moe_align_block_size(topk_ids, block_m, experts))
 
 
 def test_silu_and_mul():

@@ -58,3 +58,20 @@ def quantized(problem: Problem, quant: MoEQuantSpec) -> Problem:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def assert_valid_alignment(topk_ids, block_m, num_experts, sorted_ids, expert_ids, num_post) -> None:
+    """The contract of moe_align_block_size: every pair once, one expert per block, sentinel padding."""
+    sorted_ids, expert_ids, flat = sorted_ids.cpu(), expert_ids.cpu(), topk_ids.reshape(-1).cpu()
+    num_pairs, used = flat.numel(), int(num_post)
+    counts = torch.bincount(flat.long(), minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.numel() % block_m == 0 and expert_ids.numel() == sorted_ids.numel() // block_m
+    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    assert (sorted_ids[used:] == num_pairs).all()
+    for block in range(used // block_m):
+        rows = sorted_ids[block * block_m:(block + 1) * block_m]
+        rows = rows[rows < num_pairs]
+        assert len(rows) > 0 and (flat[rows.long()] == expert_ids[block]).all()
+    assert (expert_ids[used // block_m:] == -1).all()

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from moe_inputs import MODES, quantized, random_problem, relative_error
-from quantize_moe.kernels.align import moe_align_block_size
 from quantize_moe.kernels.configs import CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table
 from quantize_moe.moe.quant_spec import MoEQuantSpec
 from quantize_moe.moe.reference import FP8_MAX, dequantize_activation, fused_experts_reference, quantize_activation
@@ -84,25 +83,6 @@ def test_activation_quantization_round_trip(scheme):
     back = dequantize_activation(q, scale, quant, torch.float32)
     # e4m3 keeps 3 mantissa bits: relative rounding error at most 2^-4 per element above the subnormals.
     assert ((back - x).abs() <= x.abs() * 2 ** -4 + scale.max() * 2 ** -9).all()
-
-
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 1, 4, 16), (37, 3, 8, 16), (64, 8, 256, 64)])
-def test_align_groups_pairs_by_expert(tokens, top_k, experts, block_m):
-    topk_ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k].int()
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, experts)
-    num_pairs, used = tokens * top_k, int(num_post)
-    assert used % block_m == 0 and sorted_ids.numel() % block_m == 0 and expert_ids.numel() == sorted_ids.numel() // block_m
-    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
-    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
-    assert (sorted_ids[used:] == num_pairs).all()
-    flat = topk_ids.reshape(-1)
-    for block in range(used // block_m):
-        rows = sorted_ids[block * block_m:(block + 1) * block_m]
-        rows = rows[rows < num_pairs]
-        assert len(rows) > 0 and (flat[rows.long()] == expert_ids[block]).all()
-    assert (expert_ids[used // block_m:] == -1).all()
-    counts = torch.bincount(flat.long(), minlength=experts)
-    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
 def test_config_file_names():

@@ -9,7 +9,7 @@ only kernel rounding (bf16 intermediates, FP8 accumulation) is left.
 import pytest
 import torch
 
-from moe_inputs import MODES, quantized, random_problem, relative_error
+from moe_inputs import MODES, assert_valid_alignment, quantized, random_problem, relative_error
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.align import moe_align_block_size
 from quantize_moe.kernels.quant import quantize_fp8
@@ -90,10 +90,10 @@ def test_fused_silu_mul_quantization(mode):
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=0)
 
 
-def test_align_matches_cpu():
-    topk_ids = torch.rand(300, 64).argsort(dim=1)[:, :6].int()
-    for got, expected in zip(moe_align_block_size(topk_ids.cuda(), 64, 64), moe_align_block_size(topk_ids, 64, 64)):
-        assert torch.equal(got.cpu(), expected)
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (4096, 8, 256, 64), (1000, 2, 8, 128)])
+def test_align(tokens, top_k, experts, block_m):
+    topk_ids = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k].int()
+    assert_valid_alignment(topk_ids, block_m, experts, *moe_align_block_size(topk_ids, block_m, experts))
 
 
 def test_cuda_graph_replay_with_new_inputs():
