@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
+import torch
 import typer
 from transformers.utils.hub import convert_file_size_to_int
 
 from quantize_moe.check import check_expert_weights
-from quantize_moe.console import console, stdout
+from quantize_moe.console import console, count_progress, stdout
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Options, make_plan
 from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.report import decisions_table, overview_table, run_table
+from quantize_moe.report import decisions_table, overview_table, run_table, validation_table
+from quantize_moe.validate import Thresholds
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Quantize Hugging Face Mixture-of-Experts checkpoints to FP8 and prove them correct.")
@@ -102,6 +105,62 @@ def demo(
         stdout.print(decisions_table(summary.plan))
         stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
         _report_weight_check(src, dst)
+        from quantize_moe.validate import validate as run_validation
+
+        report = run_validation(src, dst, tokens=256)
+        stdout.print(validation_table(report))
+        if not report.passed:
+            raise UserError("The demo checkpoint failed validation; this is a bug in quantize-moe, please report it.")
+
+
+@app.command()
+@user_errors
+def validate(
+    src: Annotated[Path, typer.Argument(help="The original (unquantized) checkpoint folder.")],
+    dst: Annotated[Path, typer.Argument(help="The FP8 checkpoint folder made from SRC (ours or another tool's).")],
+    tokens: Annotated[int, typer.Option(min=1, help="Hidden states drawn per layer.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed of the drawn hidden states.")] = 0,
+    hidden_states: Annotated[Optional[Path], typer.Option(
+        help="safetensors file of real hidden states: 'layers.{L}' per layer or one 'hidden_states' [T, H].")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Comma-separated MoE layers to check (default: all).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here ('-': stdout only).")] = None,
+    max_relative_error: Annotated[float, typer.Option(help="Fail a layer above this ||fp8-bf16||/||bf16||.")] = Thresholds.max_relative_error,
+    min_cosine: Annotated[float, typer.Option(help="Fail a layer below this cosine similarity.")] = Thresholds.min_cosine,
+    max_kernel_error: Annotated[float, typer.Option(help="Fail a layer whose path is this far from the float64 reference.")] = Thresholds.max_kernel_error,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Run every MoE layer with the bf16 experts of SRC and the FP8 experts of DST through the same
+    fused-MoE layer (Triton on a GPU, the torch reference otherwise) and report the error per layer.
+    Exit code 0: every layer passed; 2: some layer failed; 1: bad input."""
+    from quantize_moe.validate import validate as run_validation
+
+    chosen = None
+    if layers:
+        try:
+            chosen = [int(part) for part in layers.split(",")]
+        except ValueError:
+            raise UserError(f"--layers '{layers}' is not a comma-separated list of layer numbers.") from None
+    thresholds = Thresholds(max_relative_error, min_cosine, max_kernel_error)
+    if device == "auto" and not torch.cuda.is_available():
+        console.print("no CUDA GPU here: running the torch reference path instead of the Triton kernels")
+    with count_progress(progress and json_path != Path("-")) as bar:
+        task = bar.add_task("validating layers", total=None)
+        report = run_validation(src, dst, tokens=tokens, seed=seed, device=device, hidden_states_file=hidden_states,
+                                layers=chosen, thresholds=thresholds,
+                                on_layer=lambda _, total: bar.update(task, advance=1, total=total))
+    if json_path is not None:
+        text = json.dumps(report.to_json(), indent=2)
+        if json_path == Path("-"):
+            print(text)
+        else:
+            json_path.write_text(text + "\n")
+    if json_path != Path("-"):
+        stdout.print(validation_table(report))
+    if not report.passed:
+        failed = [str(r.layer) for r in report.layers if not r.passed]
+        console.print(f"[bold red]validation failed[/] in layer(s) {', '.join(failed)}")
+        raise typer.Exit(2)
 
 
 def _report_weight_check(src: Path, dst: Path) -> None:

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from quantize_moe.console import human_bytes
 from quantize_moe.plan import Plan
+from quantize_moe.validate import ValidationReport
 
 
 def _layer_ranges(layers: list[int]) -> str:
@@ -74,4 +75,20 @@ def run_table(plan: Plan, seconds: float, copied_files: list[str]) -> Table:
                   f"({plan.bytes_after / max(plan.bytes_before, 1):.0%})")
     table.add_row("files copied", ", ".join(copied_files) or "none")
     table.add_row("time", f"{seconds:.1f} s ({human_bytes(plan.bytes_before / max(seconds, 1e-9))}/s)")
+    return table
+
+
+def validation_table(report: ValidationReport) -> Table:
+    table = Table(title=f"Validation: {report.path} on {report.device}, reference in {report.reference_dtype}")
+    for column in ("layer", "experts", "rel err", "cosine", "max err", "bf16 vs ref", "fp8 vs ref", "quant err",
+                   "ok"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for r in report.layers:
+        table.add_row(str(r.layer), f"{r.experts_with_tokens}/{r.num_experts}", f"{r.relative_error:.1e}",
+                      f"{r.cosine:.4f}", f"{r.max_error:.1e}", f"{r.bf16_kernel_error:.1e}",
+                      f"{r.fp8_kernel_error:.1e}", f"{r.quantization_error:.1e}",
+                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]")
+    t = report.thresholds
+    table.caption = (f"fail above rel. error {t.max_relative_error}, below cosine {t.min_cosine}, or path vs "
+                     f"reference above {t.max_kernel_error}")
     return table

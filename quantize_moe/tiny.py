@@ -13,7 +13,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 _ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                  max_position_embeddings=128, tie_word_embeddings=False)
+                  max_position_embeddings=128, tie_word_embeddings=False,
+                  initializer_range=0.125)  # unit-variance pre-activations at hidden 64, as in real models
 
 TINY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(_ATTENTION, intermediate_size=96, num_hidden_layers=2, num_local_experts=4,

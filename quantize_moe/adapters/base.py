@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
 from transformers import PretrainedConfig
+
+from quantize_moe.moe.routing import RoutingRule
 
 # vLLM's FusedMoE shard ids: gate = w1, down = w2, up = w3.
 SHARD_IDS = ("w1", "w2", "w3")
@@ -65,6 +68,9 @@ class PerExpertFamily:
     num_experts_keys: tuple[str, ...] = ("num_local_experts",)
     expert_width_keys: tuple[str, ...] = ("moe_intermediate_size", "intermediate_size")
     top_k_keys: tuple[str, ...] = ("num_experts_per_tok",)
+    # Routing: softmax top-k, renormalized always (True) or as the named config flag says.
+    renormalize: bool | str = True
+    moe_input_norm: str = "post_attention_layernorm"  # the RMSNorm whose output enters the MoE block
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +103,18 @@ class PerExpertFamily:
         return [MoELayerInfo(layer=i, **info) for i in range(config.num_hidden_layers)
                 if self.is_moe_layer(config, i)]
 
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor]) -> RoutingRule:
+        """The family's top-k rule; `router` maps the router's parameter names to tensors."""
+        top_k = self.config_value(config, self.top_k_keys)
+        renormalize = self.renormalize if isinstance(self.renormalize, bool) else bool(
+            getattr(config, self.renormalize, False))
+        return RoutingRule("softmax_topk", top_k=top_k, renormalize=renormalize)
+
+    def layer_tensor(self, names, layer: int, relative: str) -> str | None:
+        """The name among `names` of the tensor `relative` (a regex) inside decoder layer `layer`."""
+        pattern = re.compile(rf"^{self.layers}\.{layer}\.{relative}$")
+        return next((n for n in names if pattern.match(n)), None)
+
     # -- tensors ------------------------------------------------------------------------------
     def role(self, name: str, ndim: int) -> TensorRole:
         """Classify one checkpoint tensor by its name and rank."""
@@ -105,8 +123,9 @@ class PerExpertFamily:
         if m := self._patterns["expert"].match(name):
             return TensorRole(Kind.ROUTED_EXPERT, module, True, layer=int(m["layer"]),
                               expert=int(m["expert"]), shard_id=self.projections[m["proj"]])
-        if any(p.match(module) for p in self._patterns["router"]):
-            return TensorRole(Kind.ROUTER, module, linear, "router: top-k choices flip when it is quantized")
+        if m := next(filter(None, (p.match(module) for p in self._patterns["router"])), None):
+            return TensorRole(Kind.ROUTER, module, linear, "router: top-k choices flip when it is quantized",
+                              layer=int(m["layer"]))
         for pattern, why in self._patterns["keep"]:
             if pattern.match(module):
                 return TensorRole(Kind.HIGH_PRECISION, module, linear, why)

@@ -6,9 +6,11 @@ and which config keys say how many experts there are and which layers are MoE.
 
 from __future__ import annotations
 
+import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters.base import PerExpertFamily
+from quantize_moe.moe.routing import RoutingRule
 
 MIXTRAL_PROJECTIONS = {"w1": "w1", "w3": "w3", "w2": "w2"}
 LLAMA_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -32,6 +34,18 @@ class DeepseekFamily(PerExpertFamily):
         freq = getattr(config, "moe_layer_freq", 1) or 1
         return layer >= first_dense and layer % freq == 0
 
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor]) -> RoutingRule:
+        """V3/Kimi-K2 (`noaux_tc`): biased sigmoid with grouped choice; V2: softmax, greedy or group-limited."""
+        common = dict(top_k=config.num_experts_per_tok, n_group=getattr(config, "n_group", 1) or 1,
+                      topk_group=getattr(config, "topk_group", 1) or 1,
+                      routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+        if getattr(config, "topk_method", "noaux_tc") == "noaux_tc":
+            return RoutingRule("grouped_sigmoid", renormalize=bool(getattr(config, "norm_topk_prob", True)),
+                               e_score_correction_bias=router.get("e_score_correction_bias"), **common)
+        if config.topk_method == "greedy":
+            common.update(n_group=1, topk_group=1)
+        return RoutingRule("grouped_softmax", **common)
+
 
 MIXTRAL = PerExpertFamily(
     name="Mixtral",
@@ -50,6 +64,7 @@ QWEN2_MOE = QwenMoEFamily(
     shared_experts=(r"mlp\.shared_expert",),
     keep_linears=((r"mlp\.shared_expert_gate", "shared_expert_gate: a 1-row gate on the shared expert"),),
     num_experts_keys=("num_experts",),
+    renormalize="norm_topk_prob",
 )
 
 QWEN3_MOE = QwenMoEFamily(
@@ -59,6 +74,7 @@ QWEN3_MOE = QwenMoEFamily(
     projections=LLAMA_PROJECTIONS,
     routers=(r"mlp\.gate",),
     num_experts_keys=("num_experts",),
+    renormalize="norm_topk_prob",
 )
 
 DEEPSEEK = DeepseekFamily(

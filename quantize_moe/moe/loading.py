@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from transformers import PretrainedConfig
+
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.formats import read_quantization
@@ -27,6 +29,7 @@ class MoECheckpoint:
 
     checkpoint: Checkpoint
     family: PerExpertFamily
+    config: PretrainedConfig
     spec: MoEQuantSpec
     scale_suffix: str | None
     layers: dict[int, MoELayerInfo]
@@ -45,7 +48,7 @@ class MoECheckpoint:
             if role.kind == Kind.ROUTED_EXPERT:
                 experts[role.layer].append((role.module, role.expert, role.shard_id))
         layers = {info.layer: info for info in family.moe_layers(config)}
-        return cls(checkpoint, family, spec, scale_suffix, layers, dict(experts))
+        return cls(checkpoint, family, config, spec, scale_suffix, layers, dict(experts))
 
     def load_layer(self, layer: int, device: str | torch.device = "cpu",
                    params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:

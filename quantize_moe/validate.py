@@ -1,0 +1,184 @@
+"""Layer-by-layer validation: the same fused-MoE layer run with the original and the FP8 experts.
+
+For every MoE layer, the bf16 experts of SRC and the FP8 experts of DST are loaded
+through the same weight loader into `FusedMoE` layers, fed the same hidden states
+(seeded, scaled by the layer's own input RMSNorm weight; or read from a file),
+routed by the layer's real router weights with the family's rule, and compared.
+A float64 torch reference of each separates kernel error from quantization error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from quantize_moe.adapters import Kind
+from quantize_moe.errors import UserError
+from quantize_moe.moe.layer import FusedMoE
+from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.moe.reference import fused_experts_reference
+from quantize_moe.moe.routing import select_experts
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Defaults pass a good per-tensor FP8 checkpoint (w8a8 error on real weights is ~3-7%) and fail a
+    broken one (a wrong scale, swapped gate/up or a transposed expert gives errors near or above 1)."""
+
+    max_relative_error: float = 0.15
+    min_cosine: float = 0.99
+    max_kernel_error: float = 0.03  # our path vs the float64 reference of the same weights
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    layer: int
+    tokens: int
+    experts_with_tokens: int
+    num_experts: int
+    relative_error: float  # ||fp8 - bf16|| / ||bf16||, both through the same path
+    cosine: float
+    max_error: float  # max |fp8 - bf16| / max |bf16|
+    bf16_kernel_error: float  # bf16 path vs float64 reference of the bf16 weights
+    fp8_kernel_error: float  # fp8 path vs float64 reference of the fp8 weights (activations quantized too)
+    quantization_error: float  # float64 reference: fp8 weights and activations vs bf16 weights
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    src: str
+    dst: str
+    device: str
+    path: str  # "triton" or "torch reference"
+    reference_dtype: str
+    thresholds: Thresholds
+    layers: list[LayerResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(layer.passed for layer in self.layers)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _hidden_states(moe: MoECheckpoint, layer: int, tokens: int, seed: int, file: Path | None,
+                   device: torch.device) -> torch.Tensor:
+    """Real hidden states from `file`, or seeded ones with the RMS the MoE block really sees: unit-RMS
+    rows times the weight of the RMSNorm in front of the block."""
+    hidden = moe.layers[layer].hidden_size
+    if file is not None:
+        try:
+            with safe_open(file, framework="pt") as f:
+                key = next((k for k in (f"layers.{layer}", "hidden_states") if k in f.keys()), None)
+                if key is None:
+                    raise UserError(f"'{file}' holds neither 'layers.{layer}' nor 'hidden_states'; save the "
+                                    "hidden states entering each MoE layer under one of those names.")
+                x = f.get_tensor(key)
+        except SafetensorError as e:
+            raise UserError(f"'{file}' is not a readable safetensors file ({e}).") from None
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise UserError(f"'{file}' tensor for layer {layer} has shape {tuple(x.shape)}; expected "
+                            f"[tokens, {hidden}].")
+        return x.to(device, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed * 100_003 + layer))
+    norm = moe.family.layer_tensor(moe.checkpoint.tensors, layer, rf"{moe.family.moe_input_norm}\.weight")
+    if norm is not None:
+        x = x * moe.checkpoint.get(norm).float()
+    return x.to(device, torch.bfloat16)
+
+
+def _router(moe: MoECheckpoint, layer: int) -> dict[str, torch.Tensor]:
+    """The layer's router parameters by name: weight, and e_score_correction_bias or bias if any."""
+    router = {}
+    for name, info in moe.checkpoint.tensors.items():
+        role = moe.family.role(name, len(info.shape))
+        if role.kind == Kind.ROUTER and role.layer == layer:
+            router[name.rpartition(".")[2]] = moe.checkpoint.get(name).float()
+    if "weight" not in router:
+        raise UserError(f"No router weight found for MoE layer {layer} in '{moe.checkpoint.folder}'.")
+    return router
+
+
+def _reference(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> torch.Tensor:
+    w13_scale, w2_scale = layer.quant_method.scales(layer)
+    return fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                                   quant=layer.quant_method.spec, w13_scale=w13_scale, w2_scale=w2_scale,
+                                   compute_dtype=dtype)
+
+
+def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens: int, seed: int,
+                   hidden_states_file: Path | None, device: torch.device, reference_dtype: torch.dtype,
+                   thresholds: Thresholds) -> LayerResult:
+    info = src.layers[layer]
+    x = _hidden_states(src, layer, tokens, seed, hidden_states_file, device)
+    router = {k: v.to(device) for k, v in _router(src, layer).items()}
+    rule = src.family.routing_rule(src.config, router)
+    weights, ids = select_experts(x.float() @ router["weight"].T, rule)
+
+    original = src.load_layer(layer, device)
+    out_bf16 = original(x, weights, ids).float()
+    ref_bf16 = _reference(original, x, weights, ids, reference_dtype)
+    del original
+    quantized = dst.load_layer(layer, device)
+    out_fp8 = quantized(x, weights, ids).float()
+    ref_fp8 = _reference(quantized, x, weights, ids, reference_dtype)
+    del quantized
+
+    relative = _relative(out_fp8, out_bf16)
+    cosine = torch.nn.functional.cosine_similarity(out_fp8.double().flatten(), out_bf16.double().flatten(),
+                                                   dim=0).item()
+    kernel_errors = (_relative(out_bf16, ref_bf16), _relative(out_fp8, ref_fp8))
+    passed = (relative <= thresholds.max_relative_error and cosine >= thresholds.min_cosine
+              and max(kernel_errors) <= thresholds.max_kernel_error)
+    return LayerResult(
+        layer=layer, tokens=x.shape[0], experts_with_tokens=int(ids.unique().numel()),
+        num_experts=info.num_experts, relative_error=relative, cosine=cosine,
+        max_error=((out_fp8 - out_bf16).abs().max() / out_bf16.abs().max().clamp_min(1e-30)).item(),
+        bf16_kernel_error=kernel_errors[0], fp8_kernel_error=kernel_errors[1],
+        quantization_error=_relative(ref_fp8, ref_bf16), passed=passed)
+
+
+def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int = 0, device: str = "auto",
+             hidden_states_file: Path | None = None, layers: list[int] | None = None,
+             thresholds: Thresholds = Thresholds(), on_layer=None) -> ValidationReport:
+    """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result."""
+    source, produced = MoECheckpoint.open(src), MoECheckpoint.open(dst)
+    if source.spec.is_fp8:
+        raise UserError(f"SRC '{src}' is already quantized; validate compares an unquantized SRC with DST.")
+    if sorted(source.layers) != sorted(produced.layers):
+        raise UserError(f"SRC '{src}' and DST '{dst}' have different MoE layers; is DST made from SRC?")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} was asked for, but torch sees no CUDA GPU here.")
+    torch_device = torch.device(device)
+    chosen = sorted(source.layers) if layers is None else layers
+    unknown = [layer for layer in chosen if layer not in source.layers]
+    if unknown:
+        raise UserError(f"--layers names layer {unknown[0]}, which is not an MoE layer of '{src}'.")
+    # float64 weights of a whole layer can be too large for the device: fall back to float32 then.
+    largest = max((source.layers[layer] for layer in chosen), key=lambda i: i.num_experts * i.expert_width)
+    weight_count = 3 * largest.num_experts * largest.hidden_size * largest.expert_width
+    free = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else 16 * 2**30
+    reference_dtype = torch.float64 if 8 * weight_count < free // 4 else torch.float32
+
+    results = []
+    for layer in chosen:
+        result = validate_layer(source, produced, layer, tokens=tokens, seed=seed,
+                                hidden_states_file=hidden_states_file, device=torch_device,
+                                reference_dtype=reference_dtype, thresholds=thresholds)
+        results.append(result)
+        if on_layer is not None:
+            on_layer(result, len(chosen))
+    return ValidationReport(str(src), str(dst), str(torch_device),
+                            "triton" if torch_device.type == "cuda" else "torch reference",
+                            str(reference_dtype).removeprefix("torch."), thresholds, results)

@@ -1,0 +1,104 @@
+"""`quantize-moe validate`: passes good checkpoints (ours and foreign), fails broken ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantize_moe import fp8
+from quantize_moe.cli import app
+from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.validate import validate
+
+runner = CliRunner()
+EXPERT = "model.layers.1.block_sparse_moe.experts.{e}.{p}.{t}"
+
+
+@pytest.fixture(scope="module")
+def mixtral_pair(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("mixtral", max_shard_size="1GB")
+    dst = tmp_path_factory.mktemp("fp8") / "out"
+    quantize_checkpoint(src, dst, show_progress=False)
+    return src, dst
+
+
+def edited_copy(dst, tmp_path, edit):
+    """A copy of the single-file checkpoint `dst` with `edit(tensors)` applied."""
+    out = tmp_path / "edited"
+    shutil.copytree(dst, out)
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_good_checkpoint_passes_with_json_report(mixtral_pair, tmp_path):
+    src, dst = mixtral_pair
+    result = runner.invoke(app, ["validate", str(src), str(dst), "--json", str(tmp_path / "report.json"),
+                                 "--tokens", "300"])
+    assert result.exit_code == 0, result.output
+    assert "torch reference" in result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and [r["layer"] for r in report["layers"]] == [0, 1]
+    for layer in report["layers"]:
+        assert layer["tokens"] == 300 and layer["experts_with_tokens"] == 4
+        assert 0.01 < layer["relative_error"] < 0.1 and layer["cosine"] > 0.99
+        assert layer["fp8_kernel_error"] < 0.01 and layer["quantization_error"] > 0.01
+
+
+@pytest.mark.parametrize("breakage", ["scale", "swapped experts", "gate and up swapped"])
+def test_broken_checkpoints_fail(mixtral_pair, tmp_path, breakage):
+    src, dst = mixtral_pair
+
+    def edit(tensors):
+        if breakage == "scale":
+            tensors[EXPERT.format(e=2, p="w2", t="weight_scale")] *= 4
+        elif breakage == "swapped experts":
+            a, b = EXPERT.format(e=0, p="w2", t="weight"), EXPERT.format(e=3, p="w2", t="weight")
+            tensors[a], tensors[b] = tensors[b], tensors[a]
+        else:
+            a, b = EXPERT.format(e=1, p="w1", t="weight"), EXPERT.format(e=1, p="w3", t="weight")
+            tensors[a], tensors[b] = tensors[b], tensors[a]
+
+    result = runner.invoke(app, ["validate", str(src), str(edited_copy(dst, tmp_path, edit)), "--layers", "0,1"])
+    assert result.exit_code == 2, result.output
+    assert "validation failed in layer(s) 1" in " ".join(result.output.split())
+
+
+def test_foreign_checkpoint_with_separate_gate_up_scales_passes(mixtral_pair, tiny_checkpoint, tmp_path):
+    """AutoFP8 / llm-compressor write one scale per projection: the layer max-requantizes w13."""
+    src, dst = mixtral_pair
+    original = load_file(src / "model.safetensors")
+
+    def requantize_up_alone(tensors):
+        for e in range(4):
+            name = EXPERT.format(e=e, p="w3", t="weight")
+            scale = fp8.scale_from_amax(fp8.amax(original[name], name))
+            tensors[name] = fp8.quantize(original[name], scale)
+            tensors[EXPERT.format(e=e, p="w3", t="weight_scale")] = scale
+
+    report = validate(src, edited_copy(dst, tmp_path, requantize_up_alone), tokens=200)
+    assert report.passed, report.layers
+
+
+def test_real_hidden_states_from_a_file(mixtral_pair, tmp_path):
+    src, dst = mixtral_pair
+    save_file({"hidden_states": torch.randn(37, 64).bfloat16()}, tmp_path / "h.safetensors")
+    report = validate(src, dst, hidden_states_file=tmp_path / "h.safetensors")
+    assert report.passed and {r.tokens for r in report.layers} == {37}
+    save_file({"other": torch.randn(3, 64)}, tmp_path / "bad.safetensors")
+    result = runner.invoke(app, ["validate", str(src), str(dst), "--hidden-states", str(tmp_path / "bad.safetensors")])
+    assert result.exit_code == 1 and "neither 'layers.0' nor 'hidden_states'" in " ".join(result.output.split())
+
+
+def test_validate_every_family(tiny_checkpoint, tmp_path):
+    for model_type in ("qwen2_moe", "deepseek_v3", "deepseek_v2"):
+        src = tiny_checkpoint(model_type)
+        quantize_checkpoint(src, tmp_path / model_type, show_progress=False)
+        report = validate(src, tmp_path / model_type, tokens=128)
+        assert report.passed and report.layers, model_type
