@@ -13,7 +13,7 @@ import torch
 
 from quantize_moe import fp8
 from quantize_moe.moe.loading import MoECheckpoint
-from quantize_moe.moe.methods import expand_scale
+from quantize_moe.moe.quant_spec import expand_weight_scale
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def check_expert_weights(src: str | Path, dst: str | Path) -> list[LayerWeightCh
         worst = 0.0
         for w, deq, q, scale in zip(a.dequantized_weights(), b.dequantized_weights(),
                                     (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
-            bound = fp8.rounding_bound(w, expand_scale(scale, q.shape, quantized.spec))
+            bound = fp8.rounding_bound(w, expand_weight_scale(scale, quantized.spec, q.shape))
             worst = max(worst, ((deq - w).abs() / bound).max().item())
             err += (deq - w).double().pow(2).sum().item()
             norm += w.double().pow(2).sum().item()

@@ -14,7 +14,7 @@ import torch
 from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.formats import read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
-from quantize_moe.moe.methods import expand_scale
+from quantize_moe.moe.quant_spec import expand_weight_scale
 from quantize_moe.output import copy_extra_files, prepare_destination, write_json, write_shard
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
@@ -40,8 +40,8 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
             tensor = checkpoint.get(name)
             if tensor.dtype == FP8_DTYPE:
                 scale = checkpoint.get(f"{name.removesuffix('.weight')}.{scale_suffix}").float()
-                scale = expand_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
-                                     (1, *tensor.shape), spec)[0]
+                scale = expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
+                                            spec, (1, *tensor.shape))[0]
                 tensor = (tensor.float() * scale).to(dtype)
             tensors[name] = tensor
             total += tensor.nbytes

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quantize_moe import fp8
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
 # shard_kind values
 WEIGHT = "weight"  # [E, rows, cols]: w1 fills the first half of w13's rows, w3 the second
@@ -112,20 +112,9 @@ class Fp8FusedMoEMethod(FusedMoEMethodBase):
         return layer.w13_weight_scale.data, layer.w2_weight_scale.data
 
     def dequantized_weights(self, layer):
-        return tuple(w.data.float() * expand_scale(s.data, w.shape, self.spec)
+        return tuple(w.data.float() * expand_weight_scale(s.data, self.spec, w.shape)
                      for w, s in ((layer.w13_weight, layer.w13_weight_scale),
                                   (layer.w2_weight, layer.w2_weight_scale)))
-
-
-def expand_scale(scale: torch.Tensor, shape: torch.Size, spec: MoEQuantSpec) -> torch.Tensor:
-    """Per-tensor [E], per-channel [E, N] or block scales of an [E, N, K] weight, broadcastable to it."""
-    E, N, K = shape
-    if spec.weight == "tensor":
-        return scale.reshape(E, 1, 1)
-    if spec.weight == "channel":
-        return scale.reshape(E, N, 1)
-    bn, bk = spec.block_shape
-    return scale.repeat_interleave(bn, dim=1)[:, :N].repeat_interleave(bk, dim=2)[:, :, :K]
 
 
 def method_for_spec(spec: MoEQuantSpec) -> FusedMoEMethodBase:

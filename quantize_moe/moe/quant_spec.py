@@ -16,6 +16,8 @@ A scale is always the dequantization multiplier: w ~= w_fp8.float() * scale.
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 WeightScheme = Literal["none", "tensor", "channel", "block"]
 ActivationScheme = Literal["token", "tensor", "group"]
 
@@ -40,3 +42,16 @@ class MoEQuantSpec:
 
 
 UNQUANTIZED = MoEQuantSpec()
+
+
+def expand_weight_scale(scale: torch.Tensor, spec: MoEQuantSpec, shape: torch.Size) -> torch.Tensor:
+    """A weight scale of any scheme, shaped to broadcast against stacked weights [E, N, K]:
+    per-tensor [E] -> [E, 1, 1]; per-channel [E, N] (or [E, N, 1]) -> [E, N, 1]; block scales are
+    repeated over the rows and columns of their blocks and cut to [E, N, K]."""
+    num_experts, rows, cols = shape
+    if spec.weight == "tensor":
+        return scale.reshape(num_experts, 1, 1)
+    if spec.weight == "channel":
+        return scale.reshape(num_experts, rows, 1)
+    block_n, block_k = spec.block_shape
+    return scale.repeat_interleave(block_n, dim=1)[:, :rows].repeat_interleave(block_k, dim=2)[:, :, :cols]

@@ -13,7 +13,7 @@ quantization error.
 import torch
 import torch.nn.functional as F
 
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -80,24 +80,13 @@ def dequantize_activation(
     return q.to(dtype) * scale.to(dtype)
 
 
-def _broadcast_weight_scale(scale: torch.Tensor, quant: MoEQuantSpec, shape: torch.Size) -> torch.Tensor:
-    """A weight scale of any scheme, shaped to broadcast against weights [E, N, K]."""
-    if quant.weight == "tensor":
-        return scale.view(-1, 1, 1)
-    if quant.weight == "channel":
-        return scale.unsqueeze(-1)
-    block_n, block_k = quant.block_shape
-    scale = _expand_groups(scale, block_k, shape[2])
-    return _expand_groups(scale.transpose(1, 2), block_n, shape[1]).transpose(1, 2)
-
-
 def dequantize_weight(
     w: torch.Tensor, scale: torch.Tensor | None, quant: MoEQuantSpec, dtype: torch.dtype
 ) -> torch.Tensor:
     """Stacked expert weights [E, N, K] in `dtype`, scaled per `quant.weight`."""
     if not quant.is_fp8:
         return w.to(dtype)
-    return w.to(dtype) * _broadcast_weight_scale(scale.to(dtype), quant, w.shape)
+    return w.to(dtype) * expand_weight_scale(scale.to(dtype), quant, w.shape)
 
 
 def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +106,7 @@ def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor,
         padded = F.pad(magnitude, (0, col_blocks * block_k - cols, 0, row_blocks * block_n - rows))
         blocks = padded.view(num_experts, row_blocks, block_n, col_blocks, block_k)
         scale = _scale_from_amax(blocks.amax(dim=(2, 4)))
-    return _to_fp8(w, _broadcast_weight_scale(scale, quant, w.shape)), scale
+    return _to_fp8(w, expand_weight_scale(scale, quant, w.shape)), scale
 
 
 def _fake_quantize(x: torch.Tensor, quant: MoEQuantSpec) -> torch.Tensor:
