@@ -57,7 +57,6 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, options: Options = Opt
                 progress.advance(task, item.input_bytes)
             write_shard(dst / shard_name, tensors)
             weight_map.update(dict.fromkeys(tensors, shard_name))
-            del tensors
 
     copied = copy_extra_files(checkpoint, dst)
     if len(plan.shards) > 1:
