@@ -37,7 +37,8 @@ def user_errors(command):
             where = f"'{e.filename}': " if e.filename else ""
             message = (f"{where}{e.strerror or e}; fix this and run the command again "
                        "(quantize continues where it stopped with --resume).")
-        console.print(f"[bold red]error:[/] {message}", highlight=False)
+        # soft_wrap: the terminal wraps the line, so paths in it are never broken for copying
+        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     return run
 
