@@ -39,7 +39,8 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) ->
     if overwrite or not dst.is_dir():
         return
     contents = [p for p in dst.iterdir() if not p.name.endswith(PARTIAL_SUFFIX)]
-    ours = (dst / MANIFEST_NAME).is_file()
+    # The manifest is the first file a run writes: a DST we touched holds it or its temporary.
+    ours = (dst / MANIFEST_NAME).is_file() or (dst / (MANIFEST_NAME + PARTIAL_SUFFIX)).is_file()
     if resume and contents and not ours:
         raise UserError(f"DST '{dst}' has no {MANIFEST_NAME} to resume from; pass --overwrite to start "
                         "over, or choose an empty folder.")
