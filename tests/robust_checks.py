@@ -16,14 +16,14 @@ import pytest
 from typer.testing import CliRunner
 
 from quantize_moe.cli import app
-from quantize_moe.tiny import build_tiny_checkpoint
 
 SHARD_SIZE = "100KB"  # the tiny Mixtral is ~280 KB in bf16: 5 source shards, 3 FP8 output shards
 
 
 @pytest.fixture(scope="session")
-def mixtral_src(tmp_path_factory) -> Path:
-    return build_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral-bf16"), max_shard_size=SHARD_SIZE)
+def mixtral_src(tiny_checkpoint) -> Path:
+    """The session's tiny Mixtral in 5 shards; its own cache entry (explicit shard size), never written."""
+    return tiny_checkpoint("mixtral", max_shard_size=SHARD_SIZE)
 
 
 @pytest.fixture
