@@ -2,13 +2,18 @@
 
 Only headers are read when the checkpoint is opened; tensor data is memory-mapped
 by safetensors when a tensor is asked for, so a checkpoint far larger than RAM can
-be walked one small group of tensors at a time.
+be walked one small group of tensors at a time. Everything on disk is untrusted:
+every inconsistency between index, headers and file sizes is a `UserError` at open.
+Pickle checkpoints are read only when the user allows it, and then weights-only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import struct
+import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -20,6 +25,8 @@ from quantize_moe.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
 
 # safetensors dtype strings as reported by get_slice().get_dtype()
@@ -58,6 +65,9 @@ def allowed_roots(folder: Path) -> list[Path]:
 
 def inside(folder: Path, relative: str, what: str) -> Path:
     """Resolve a file named by checkpoint metadata, refusing any path that leaves the folder."""
+    if "\0" in relative:
+        raise UserError(f"{what} names the file {relative!r}, which contains a NUL character; "
+                        "fix it so it names files inside the folder.")
     if os.path.isabs(relative) or ".." in Path(relative).parts:
         raise UserError(f"{what} names the file '{relative}', which is outside the checkpoint folder; "
                         "fix it so it names files inside the folder.")
@@ -70,14 +80,16 @@ def inside(folder: Path, relative: str, what: str) -> Path:
 
 
 class Checkpoint:
-    """A checkpoint folder: config.json plus sharded or single-file safetensors."""
+    """A checkpoint folder: config.json plus sharded or single-file safetensors (or, with
+    `allow_pickle`, torch pickle shards loaded weights-only)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise UserError(f"Checkpoint folder '{self.folder}' does not exist or is not a folder.")
-        self.tensors: dict[str, TensorInfo] = self._read_headers(self._shard_map())
+        self.index_name, shards = self._shard_map(allow_pickle)
         self._handles: dict[str, object] = {}
+        self.tensors: dict[str, TensorInfo] = self._read_headers(shards)
 
     @cached_property
     def raw_config(self) -> dict:
@@ -100,63 +112,82 @@ class Checkpoint:
     def weight_files(self) -> set[str]:
         """Files that make up the weights (shards and index): never copied as-is."""
         files = set(self.shard_files)
-        if (self.folder / INDEX_NAME).exists():
-            files.add(INDEX_NAME)
+        if self.index_name is not None:
+            files.add(self.index_name)
         return files
 
-    def _shard_map(self) -> dict[str, list[str]]:
-        """Shard file -> tensor names it should hold, from the index or the single file."""
-        index_path = self.folder / INDEX_NAME
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise UserError(f"'{index_path}' is not a valid safetensors index (no 'weight_map' object); "
-                                "restore it from the original checkpoint.") from None
-            shards: dict[str, list[str]] = {}
-            for name, file in weight_map.items():
-                if not isinstance(file, str):
-                    raise UserError(f"'{index_path}' maps tensor '{name}' to a non-string file name.")
-                shards.setdefault(file, []).append(name)
-            return shards
+    def _shard_map(self, allow_pickle: bool) -> tuple[str | None, dict[str, list[str]]]:
+        """The index file (if any) and shard file -> tensor names it should hold."""
+        if (self.folder / INDEX_NAME).is_file():
+            return INDEX_NAME, self._read_index(self.folder / INDEX_NAME)
         if (self.folder / SINGLE_NAME).is_file():
-            return {SINGLE_NAME: []}
-        if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")):
-            raise UserError(f"'{self.folder}' holds only pickle weights (.bin/.pt); quantize-moe reads "
-                            "safetensors only: convert the checkpoint to safetensors first.")
+            return None, {SINGLE_NAME: []}
+        for name in (PICKLE_INDEX_NAME, PICKLE_SINGLE_NAME):
+            if (self.folder / name).is_file():
+                if not allow_pickle:
+                    raise UserError(f"'{self.folder}' holds only pickle weights ({name}), which can run code "
+                                    "when loaded; pass --allow-pickle to load them weights-only, or convert "
+                                    "the checkpoint to safetensors.")
+                if name == PICKLE_INDEX_NAME:
+                    return name, self._read_index(self.folder / name)
+                return None, {name: []}
         raise UserError(f"'{self.folder}' has neither {INDEX_NAME} nor {SINGLE_NAME}; "
                         "point SRC at a Hugging Face checkpoint folder.")
+
+    @staticmethod
+    def _read_index(index_path: Path) -> dict[str, list[str]]:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise UserError(f"'{index_path}' is not a valid safetensors index (no 'weight_map' object); "
+                            "restore it from the original checkpoint.") from None
+        shards: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise UserError(f"'{index_path}' maps tensor '{name}' to a non-string file name; "
+                                "restore it from the original checkpoint.")
+            shards.setdefault(file, []).append(name)
+        return shards
 
     def _read_headers(self, shards: dict[str, list[str]]) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
         for file, expected in sorted(shards.items()):
-            path = inside(self.folder, file, f"'{INDEX_NAME}'")
+            path = inside(self.folder, file, f"'{self.folder / (self.index_name or file)}'")
             if not path.is_file():
                 raise UserError(f"The index names shard '{file}', which is missing from '{self.folder}'; "
                                 "download the missing shard.")
-            try:
-                with safe_open(path, framework="pt") as f:
-                    names = list(f.keys())
-                    for name in names:
-                        sl = f.get_slice(name)
-                        dtype = _DTYPES.get(sl.get_dtype())
-                        if dtype is None:
-                            raise UserError(f"Tensor '{name}' in '{path}' has dtype {sl.get_dtype()}, "
-                                            "which quantize-moe does not read.")
-                        if name in tensors:
-                            raise UserError(f"Tensor '{name}' is stored twice, in '{tensors[name].file}' and "
-                                            f"'{file}'; remove the duplicate shard.")
-                        tensors[name] = TensorInfo(name, file, dtype, tuple(sl.get_shape()))
-            except SafetensorError as e:
-                raise UserError(f"Shard '{path}' is not a readable safetensors file ({e}); "
-                                "re-download it.") from None
-            missing = [n for n in expected if n not in set(names)]
+            found = _safetensors_header(path) if path.suffix == ".safetensors" else self._pickle_header(file)
+            for name, (dtype, shape) in found.items():
+                if name in tensors:
+                    raise UserError(f"Tensor '{name}' is stored twice, in '{tensors[name].file}' and "
+                                    f"'{file}'; remove the duplicate shard.")
+                tensors[name] = TensorInfo(name, file, dtype, shape)
+            missing = [n for n in expected if n not in found]
             if missing:
                 raise UserError(f"The index says tensor '{missing[0]}' is in '{file}', but that file does "
                                 "not hold it; re-download the shard or fix the index.")
         return tensors
+
+    def _pickle_header(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Load a pickle shard weights-only (memory-mapped when it is a zip archive, so nothing is
+        read yet); the loaded dict is kept as the shard's handle."""
+        path = self.folder / file
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        except pickle.UnpicklingError:
+            raise UserError(f"Pickle shard '{path}' holds more than plain tensors (loading it would build "
+                            "objects or run code); convert the checkpoint to safetensors with a trusted "
+                            "tool.") from None
+        except Exception as e:  # torch raises many types for a damaged archive
+            raise UserError(f"Pickle shard '{path}' is not a readable torch file ({type(e).__name__}); "
+                            "re-download it.") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise UserError(f"Pickle shard '{path}' is not a dict of tensors; point SRC at a checkpoint "
+                            "saved with save_pretrained.")
+        self._handles[file] = state
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, memory-mapped: its bytes are read when first touched."""
@@ -165,7 +196,46 @@ class Checkpoint:
         if handle is None:
             handle = safe_open(self.folder / info.file, framework="pt")
             self._handles[info.file] = handle
-        return handle.get_tensor(name)
+        return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Dtype and shape of every tensor in a safetensors shard, from its header alone."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            found = {}
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = _DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise UserError(f"Tensor '{name}' in '{path}' has dtype {sl.get_dtype()}, which "
+                                    "quantize-moe does not read; convert it to bf16, fp16 or fp32.")
+                found[name] = (dtype, tuple(sl.get_shape()))
+            return found
+    except SafetensorError as e:
+        declared = _declared_size(path)
+        actual = path.stat().st_size
+        if declared is not None and declared > actual:
+            raise UserError(f"Shard '{path}' is truncated: its header declares {declared} bytes but the file "
+                            f"has {actual}; re-download it.") from None
+        if declared is not None and declared < actual:
+            raise UserError(f"Shard '{path}' has {actual - declared} bytes beyond the {declared} its header "
+                            "declares; re-download it.") from None
+        raise UserError(f"Shard '{path}' is not a readable safetensors file ({e}); re-download it.") from None
+
+
+def _declared_size(path: Path) -> int | None:
+    """The file size a safetensors header declares (8-byte length, JSON header, data up to the last
+    tensor's end offset), or None when the header itself is unreadable. Used only to explain why
+    safetensors refused a shard: a truncated download and a corrupt header need different words."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100 * 2**20)))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        return 8 + length + int(end)
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError, OSError):
+        return None

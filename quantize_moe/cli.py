@@ -25,14 +25,21 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_comp
 
 
 def user_errors(command):
-    """Report a UserError as one red sentence and exit 1, without a traceback."""
+    """Report a UserError, or a failing file system (full disk, no permission), as one red sentence
+    and exit 1, without a traceback."""
     @functools.wraps(command)
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except UserError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False)
-            raise typer.Exit(1) from None
+            message = str(e)
+        except OSError as e:
+            where = f"'{e.filename}': " if e.filename else ""
+            message = (f"{where}{e.strerror or e}; fix this and run the command again "
+                       "(quantize continues where it stopped with --resume).")
+        # soft_wrap: the terminal wraps the line, so paths in it are never broken for copying
+        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     return run
 
 
@@ -46,6 +53,10 @@ def _shard_size(value: str) -> int:
 
 ExpertsOnly = Annotated[bool, typer.Option("--experts-only", help="Quantize the routed and shared experts only.")]
 MaxShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")]
+AllowPickle = Annotated[bool, typer.Option(
+    "--allow-pickle", help="Read a checkpoint that has only pickle weights (.bin), weights-only: pickle "
+                           "objects that would run code are refused.")]
+Overwrite = Annotated[bool, typer.Option(help="Replace the checkpoint in a non-empty DST.")]
 
 
 @app.command()
@@ -55,15 +66,20 @@ def quantize(
     dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace the checkpoint in a non-empty DST.")] = False,
+    overwrite: Overwrite = False,
+    resume: Annotated[bool, typer.Option(
+        help="Continue an interrupted run in DST: shards its manifest lists as finished (and that still "
+             "match their hashes) are kept, the rest is written again.")] = False,
+    allow_pickle: AllowPickle = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
-    and every other file of SRC unchanged."""
+    a manifest of every file's size and sha256, and every other file of SRC unchanged."""
     from quantize_moe.quantize import quantize_checkpoint
 
     options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size))
-    summary = quantize_checkpoint(src, dst, options, overwrite=overwrite, show_progress=progress)
+    summary = quantize_checkpoint(src, dst, options, overwrite=overwrite, resume=resume,
+                                  allow_pickle=allow_pickle, show_progress=progress)
     stdout.print(decisions_table(summary.plan))
     stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
     stdout.print(f"[green]wrote[/] {dst}")
@@ -75,13 +91,29 @@ def inspect(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder to describe.")],
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",
+    allow_pickle: AllowPickle = False,
 ) -> None:
     """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, and sizes.
     Reads metadata only."""
-    plan = make_plan(Checkpoint(src), Options(experts_only=experts_only,
-                                              max_shard_size=_shard_size(max_shard_size)))
+    plan = make_plan(Checkpoint(src, allow_pickle=allow_pickle),
+                     Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size)))
     stdout.print(overview_table(plan))
     stdout.print(decisions_table(plan))
+
+
+@app.command()
+@user_errors
+def dequantize(
+    src: Annotated[Path, typer.Argument(help="FP8 checkpoint folder (ours, AutoFP8, llm-compressor, block FP8).")],
+    dst: Annotated[Path, typer.Argument(help="Output folder for the bf16 checkpoint.")],
+    overwrite: Overwrite = False,
+) -> None:
+    """Write a bf16 copy of an FP8 checkpoint, without scales or quantization_config: the way to
+    requantize a checkpoint that is already FP8."""
+    from quantize_moe.dequantize import dequantize_checkpoint
+
+    dequantize_checkpoint(src, dst, overwrite=overwrite)
+    stdout.print(f"[green]wrote[/] {dst}")
 
 
 @app.command()

@@ -15,7 +15,8 @@ from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.formats import read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
 from quantize_moe.moe.quant_spec import expand_weight_scale
-from quantize_moe.output import copy_extra_files, prepare_destination, write_json, write_shard
+from quantize_moe.output import (check_destination, copy_extra_files, extra_files, prepare_destination, write_json,
+                                 write_shard)
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -30,7 +31,9 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
     src, dst = Path(src), Path(dst)
     checkpoint = Checkpoint(src)
     spec, scale_suffix = read_quantization(checkpoint.raw_config, f"'{src / CONFIG_NAME}'")
-    prepare_destination(src, dst, overwrite)
+    extras = extra_files(checkpoint)
+    check_destination(src, dst, overwrite=overwrite, resume=False)
+    prepare_destination(dst, overwrite=overwrite)
     weight_map, total = {}, 0
     for file in checkpoint.shard_files:
         tensors = {}
@@ -47,7 +50,7 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
             total += tensor.nbytes
         write_shard(dst / file, tensors)
         weight_map.update(dict.fromkeys(tensors, file))
-    copy_extra_files(checkpoint, dst)
+    copy_extra_files(checkpoint, dst, extras)
     if (src / INDEX_NAME).exists():
         write_json(dst / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
     config = {k: v for k, v in checkpoint.raw_config.items() if k != "quantization_config"}

@@ -24,14 +24,24 @@ def _row_chunks(rows: int, cols: int):
         yield start, min(rows, start + step)
 
 
+def _non_finite(name: str) -> UserError:
+    return UserError(f"Tensor '{name}' contains NaN or Inf values; the checkpoint is corrupt or "
+                     "was saved after a diverged training step, so it cannot be quantized.")
+
+
+def finite_range(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest and largest value of a non-empty `weight`; NaN or Inf is an error naming the tensor."""
+    low, high = torch.aminmax(weight)
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        raise _non_finite(name)
+    return low, high
+
+
 def amax(weight: torch.Tensor, name: str) -> torch.Tensor:
     """Largest magnitude of `weight` as a float32 scalar; NaN or Inf is an error naming the tensor."""
     if weight.numel() == 0:
         return torch.zeros((), dtype=torch.float32)
-    low, high = torch.aminmax(weight)
-    if not (torch.isfinite(low) and torch.isfinite(high)):
-        raise UserError(f"Tensor '{name}' contains NaN or Inf values; the checkpoint is corrupt or "
-                        "was saved after a diverged training step, so it cannot be quantized.")
+    low, high = finite_range(weight, name)
     return torch.maximum(-low, high).float()
 
 
@@ -42,8 +52,7 @@ def row_amax(weight: torch.Tensor, name: str) -> torch.Tensor:
         low, high = torch.aminmax(weight[start:end], dim=1)
         out[start:end] = torch.maximum(-low, high).float()
     if not torch.isfinite(out).all():
-        raise UserError(f"Tensor '{name}' contains NaN or Inf values; the checkpoint is corrupt or "
-                        "was saved after a diverged training step, so it cannot be quantized.")
+        raise _non_finite(name)
     return out
 
 

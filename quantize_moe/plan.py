@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, adapter_for, parse_config
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.errors import UserError
-from quantize_moe.formats import FORMATS
+from quantize_moe.formats import FORMATS, read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
 from quantize_moe.schemes import SCHEMES
 
@@ -128,9 +128,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     raw = checkpoint.raw_config
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     if "quantization_config" in raw:
-        method = raw["quantization_config"].get("quant_method", "unknown")
-        raise UserError(f"{where} says the checkpoint is already quantized ({method}); "
-                        "quantize-moe needs a bf16/fp16/fp32 checkpoint as SRC.")
+        _refuse_quantized(raw, where)
     family = adapter_for(raw, where)
     config = parse_config(raw, family, where)
     decisions = {name: _decide(info, family.role(name, len(info.shape)), options)
@@ -140,6 +138,19 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     plan = Plan(checkpoint, family, config, options, moe_layers, decisions, _work_items(decisions, options))
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
     return plan
+
+
+def _refuse_quantized(raw: dict, where: str) -> None:
+    """An already-quantized SRC: say whether `quantize-moe dequantize` can bring it back to bf16."""
+    qc = raw["quantization_config"]
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    try:
+        read_quantization(raw, where)
+    except (UserError, AttributeError):
+        raise UserError(f"{where} says the checkpoint is already quantized ({method}), in a format quantize-moe "
+                        "cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
+    raise UserError(f"{where} says the checkpoint is already quantized ({method}); run `quantize-moe "
+                    "dequantize` on it first, or point SRC at the bf16/fp16/fp32 original.")
 
 
 def _decide(info: TensorInfo, role: TensorRole, options: Options) -> Decision:
@@ -169,6 +180,7 @@ def _work_items(decisions: dict[str, Decision], options: Options) -> list[WorkIt
     items = []
     for names in groups.values():
         infos = [decisions[n].info for n in names]
+        _check_group_dtypes(infos)
         if decisions[names[0]].quantize:
             outputs = []
             for info in infos:
@@ -181,6 +193,17 @@ def _work_items(decisions: dict[str, Decision], options: Options) -> list[WorkIt
         items.append(WorkItem(tuple(names), decisions[names[0]].quantize, tuple(outputs),
                               sum(i.nbytes for i in infos)))
     return items
+
+
+def _check_group_dtypes(infos: list[TensorInfo]) -> None:
+    """Tensors that share a scale must share a dtype. A model may mix dtypes (an fp32 router
+    beside bf16 experts is normal, and kept tensors keep theirs), but gate and up of one expert
+    in different dtypes means shards from different saves were put together."""
+    odd = next((i for i in infos if i.dtype != infos[0].dtype), None)
+    if odd is not None:
+        raise UserError(f"Tensor '{odd.name}' in '{odd.file}' is {odd.dtype} but '{infos[0].name}', which shares "
+                        f"its scale, is {infos[0].dtype}; the shards come from different saves, so restore "
+                        "a consistent checkpoint.")
 
 
 def _assign_shards(items: list[WorkItem], max_shard_size: int) -> list[list[WorkItem]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from quantize_moe.adapters.base import Kind, MoELayerInfo, PerExpertFamily, TensorRole
@@ -20,7 +21,7 @@ def supported_model_types() -> list[str]:
 
 def adapter_for(raw_config: dict, where: str = "config.json") -> PerExpertFamily:
     model_type = raw_config.get("model_type")
-    if model_type not in _BY_MODEL_TYPE:
+    if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
         raise UserError(f"{where} has model_type '{model_type}', which quantize-moe does not support; "
                         f"supported families: {', '.join(supported_model_types())}.")
     return _BY_MODEL_TYPE[model_type]
@@ -32,6 +33,6 @@ def parse_config(raw_config: dict, family: PerExpertFamily, where: str = "config
     config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
     try:
         return config_class.from_dict({k: v for k, v in raw_config.items() if k != "auto_map"})
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, StrictDataclassError) as e:  # transformers 5 validates fields strictly
         raise UserError(f"{where} could not be parsed as a {family.name} config ({e}); "
                         "restore the original config.json.") from None

@@ -1,0 +1,128 @@
+"""The manifest: which output files of a run are finished, with their sizes and hashes.
+
+It lives in DST as `quantize-moe-manifest.json` and is rewritten (atomically) after
+every output shard is renamed into place, so after a kill at any point it lists
+exactly the shards that are whole. `--resume` keeps a shard only when the manifest
+lists it and the file on disk still has that size and sha256; everything else is
+written again. When the run ends the manifest lists every file of the checkpoint
+and says `complete`, so a truncated or altered file is detectable later.
+
+The manifest holds nothing that differs between runs (no times, no absolute
+paths), so a resumed run ends byte-identical to an uninterrupted one. Its `run`
+fingerprint covers everything the output depends on; resuming under a different
+SRC, different options or another quantize-moe version is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from quantize_moe import __version__
+from quantize_moe.errors import UserError
+from quantize_moe.output import MANIFEST_NAME, write_json
+from quantize_moe.plan import Plan
+_HASH_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, path: Path) -> FileRecord:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+        return cls(path.stat().st_size, digest.hexdigest())
+
+
+def run_fingerprint(plan: Plan) -> str:
+    """sha256 of everything the output bytes depend on: source metadata, config, options, layout and
+    the tool version. Tensor data is not hashed (that would read SRC twice); a SRC whose bytes change
+    under the same names, shapes and file sizes between a crash and `--resume` is not detected."""
+    checkpoint = plan.checkpoint
+    source = {
+        "version": __version__,
+        "config": checkpoint.raw_config,
+        "options": asdict(plan.options),
+        "tensors": [(t.name, t.file, str(t.dtype), list(t.shape)) for t in checkpoint.tensors.values()],
+        "files": {f: (checkpoint.folder / f).stat().st_size for f in checkpoint.shard_files},
+        "shards": {name: [o.name for item in items for o in item.outputs]
+                   for name, items in zip(plan.shard_names, plan.shards)},
+    }
+    return hashlib.sha256(json.dumps(source, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Manifest:
+    """The finished files of one run in one DST (see the module docstring for the protocol)."""
+
+    def __init__(self, dst: Path, run: str, files: dict[str, FileRecord] | None = None,
+                 complete: bool = False):
+        self.dst, self.run, self.complete = dst, run, complete
+        self.files: dict[str, FileRecord] = dict(files or {})
+
+    @property
+    def path(self) -> Path:
+        return self.dst / MANIFEST_NAME
+
+    @classmethod
+    def load(cls, dst: Path) -> Manifest | None:
+        """The manifest in DST, None when there is none; a damaged one is an error."""
+        path = dst / MANIFEST_NAME
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            files = {name: FileRecord(int(r["size"]), str(r["sha256"])) for name, r in data["files"].items()}
+            return cls(dst, str(data["run"]), files, bool(data["complete"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UserError(f"'{path}' is damaged; rerun with --overwrite instead of --resume.") from None
+
+    @classmethod
+    def for_run(cls, dst: Path, run: str, resume: bool) -> Manifest:
+        """A fresh manifest, or with `resume` the one in DST after checking it belongs to this run."""
+        found = cls.load(dst) if resume else None
+        if found is None:
+            return cls(dst, run)
+        if found.run != run:
+            raise UserError(f"'{found.path}' was written for a different SRC, options or quantize-moe version; "
+                            "rerun with the original arguments, or with --overwrite to start over.")
+        found.complete = False  # until this run finishes again
+        return found
+
+    def matches(self, name: str) -> bool:
+        """Whether `name` is listed and the file in DST still has its recorded size and sha256: a
+        finished shard when resuming, an intact file when checking a finished checkpoint."""
+        record = self.files.get(name)
+        path = self.dst / name
+        return (record is not None and path.is_file() and path.stat().st_size == record.size
+                and FileRecord.of(path) == record)
+
+    @property
+    def finished_bytes(self) -> int:
+        """Bytes of listed files that are on disk with their recorded size (hashes are checked later,
+        by `matches`, as each one comes up)."""
+        return sum(r.size for name, r in self.files.items()
+                   if (self.dst / name).is_file() and (self.dst / name).stat().st_size == r.size)
+
+    def record(self, name: str) -> None:
+        """Call after `name` is renamed into place in DST: from now on it counts as finished."""
+        self.files[name] = FileRecord.of(self.dst / name)
+        self.save()
+
+    def finish(self, names: list[str]) -> None:
+        """Record the remaining files (index, config, copies) and mark the run complete."""
+        for name in names:
+            self.files[name] = FileRecord.of(self.dst / name)
+        self.complete = True
+        self.save()
+
+    def save(self) -> None:
+        files = {name: asdict(self.files[name]) for name in sorted(self.files)}
+        write_json(self.path, {"quantize_moe": __version__, "run": self.run, "complete": self.complete,
+                               "files": files})
