@@ -15,6 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, adapter_for, parse_config
+from quantize_moe.adapters.fused import scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.errors import UserError
 from quantize_moe.formats import FORMATS, read_quantization
@@ -92,9 +93,22 @@ class Plan:
 
     @property
     def ignored_modules(self) -> list[str]:
-        """Every Linear left in high precision, by exact module name."""
-        return sorted({d.role.module for d in self.decisions.values()
-                       if d.role.is_linear_weight and not d.quantize})
+        """Every Linear left in high precision, by exact module name; for routed experts kept in
+        high precision (multi-token-prediction layers) also their `experts` module, the name an
+        engine's FusedMoE layer is looked up by."""
+        kept = [d.role for d in self.decisions.values() if d.role.is_linear_weight and not d.quantize]
+        experts = {r.module.rpartition(".experts.")[0] + ".experts" for r in kept
+                   if r.kind == Kind.ROUTED_EXPERT and ".experts." in r.module}
+        return sorted({r.module for r in kept} | experts)
+
+    def moe_layer(self, layer: int) -> MoELayerInfo:
+        return next(info for info in self.moe_layers if info.layer == layer)
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """Multi-token-prediction layers present on disk (kept in high precision)."""
+        return sorted({self.family.layer_of(name) for name, d in self.decisions.items()
+                       if d.reason == MTP_REASON})
 
     @property
     def quantization_config(self) -> dict:
@@ -116,6 +130,9 @@ class Plan:
         return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+MTP_REASON = "multi-token-prediction layer: kept in high precision"
+
+
 def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -131,11 +148,16 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
         _refuse_quantized(raw, where)
     family = adapter_for(raw, where)
     config = parse_config(raw, family, where)
-    decisions = {name: _decide(info, family.role(name, len(info.shape)), options)
+    mtp = set(family.mtp_layers(config))
+    decisions = {name: _decide(info, family.role(name, len(info.shape)), options,
+                               in_mtp_layer=family.layer_of(name) in mtp)
                  for name, info in checkpoint.tensors.items()}
     moe_layers = family.moe_layers(config)
-    _check_experts(moe_layers, decisions, where)
-    plan = Plan(checkpoint, family, config, options, moe_layers, decisions, _work_items(decisions, options))
+    _check_experts(family, moe_layers, decisions, where)
+    _check_family_output(family, decisions, options, where)
+    num_experts = {info.layer: info.num_experts for info in moe_layers}
+    plan = Plan(checkpoint, family, config, options, moe_layers, decisions,
+                _work_items(decisions, options, num_experts))
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
     return plan
 
@@ -153,9 +175,11 @@ def _refuse_quantized(raw: dict, where: str) -> None:
                     "dequantize` on it first, or point SRC at the bf16/fp16/fp32 original.")
 
 
-def _decide(info: TensorInfo, role: TensorRole, options: Options) -> Decision:
+def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: bool = False) -> Decision:
     if role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION):
         return Decision(info, role, False, role.reason)
+    if in_mtp_layer:
+        return Decision(info, role, False, MTP_REASON)
     if role.kind == Kind.LINEAR and options.experts_only:
         return Decision(info, role, False, "--experts-only")
     if info.dtype == FP8_DTYPE or info.dtype not in FLOAT_DTYPES:
@@ -164,18 +188,25 @@ def _decide(info: TensorInfo, role: TensorRole, options: Options) -> Decision:
     return Decision(info, role, True)
 
 
-def _work_items(decisions: dict[str, Decision], options: Options) -> list[WorkItem]:
+def _group_key(name: str, decision: Decision) -> tuple:
+    """Tensors that share one scale: gate/up/q/k/v siblings of a module, or the fused expert
+    tensors of one layer's scale group (DBRX w1 with v1)."""
+    role = decision.role
+    if decision.quantize and role.fused is not None:
+        return ("fused", role.layer, role.fused.scale_group)
+    if decision.quantize:
+        parent, _, leaf = role.module.rpartition(".")
+        siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
+        if siblings is not None:
+            return (parent, siblings)
+    return (name,)
+
+
+def _work_items(decisions: dict[str, Decision], options: Options, num_experts: dict[int, int]) -> list[WorkItem]:
     scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
     groups: dict[tuple, list[str]] = {}
     for name in sorted(decisions, key=_natural_key):
-        decision = decisions[name]
-        key: tuple = (name,)
-        if decision.quantize:
-            parent, _, leaf = decision.role.module.rpartition(".")
-            siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
-            if siblings is not None:
-                key = (parent, siblings)
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(_group_key(name, decisions[name]), []).append(name)
 
     items = []
     for names in groups.values():
@@ -184,10 +215,15 @@ def _work_items(decisions: dict[str, Decision], options: Options) -> list[WorkIt
         if decisions[names[0]].quantize:
             outputs = []
             for info in infos:
-                module = info.name.removesuffix(".weight")
                 outputs.append(OutputTensor(info.name, FP8_DTYPE, info.shape))
-                outputs.append(OutputTensor(f"{module}.{fmt.scale_suffix}", fmt.scale_dtype(info.dtype),
-                                            scheme.scale_shape(info.shape)))
+                layout = decisions[info.name].role.fused
+                if layout is None:
+                    outputs.append(OutputTensor(f"{info.name.removesuffix('.weight')}.{fmt.scale_suffix}",
+                                                fmt.scale_dtype(info.dtype), scheme.scale_shape(info.shape)))
+                else:
+                    experts = num_experts[decisions[info.name].role.layer]
+                    outputs.append(OutputTensor(scale_name(info.name, fmt.scale_suffix),
+                                                fmt.scale_dtype(info.dtype), layout.scale_shape(experts)))
         else:
             outputs = [OutputTensor(i.name, i.dtype, i.shape) for i in infos]
         items.append(WorkItem(tuple(names), decisions[names[0]].quantize, tuple(outputs),
@@ -220,29 +256,67 @@ def _assign_shards(items: list[WorkItem], max_shard_size: int) -> list[list[Work
     return shards
 
 
-def _check_experts(moe_layers: list[MoELayerInfo], decisions: dict[str, Decision], where: str) -> None:
+def _check_family_output(family: PerExpertFamily, decisions: dict[str, Decision], options: Options,
+                         where: str) -> None:
+    """Refuse outputs no engine loads, before anything is written."""
+    quantizes_experts = any(d.quantize and d.role.kind == Kind.ROUTED_EXPERT for d in decisions.values())
+    if family.fp8_refusal and quantizes_experts:
+        raise UserError(f"{where} is a {family.name} checkpoint, which quantize-moe does not quantize: "
+                        f"{family.fp8_refusal}.")
+    if family.fused and options.scheme != "tensor":
+        raise UserError(f"--scheme {options.scheme} is not available for {family.name}, whose experts are "
+                        "fused tensors that engines load with per-tensor scales only; use --scheme tensor.")
+
+
+def _check_experts(family: PerExpertFamily, moe_layers: list[MoELayerInfo], decisions: dict[str, Decision],
+                   where: str) -> None:
     """Every expert of every MoE layer the config declares is on disk with consistent shapes."""
-    found: dict[int, dict[tuple[int, str], tuple[int, ...]]] = defaultdict(dict)
+    per_expert: dict[int, dict[tuple[int, str], tuple[int, ...]]] = defaultdict(dict)
+    fused: dict[int, dict] = defaultdict(dict)
     for d in decisions.values():
-        if d.role.kind == Kind.ROUTED_EXPERT:
-            found[d.role.layer][(d.role.expert, d.role.shard_id)] = d.info.shape
+        if d.role.kind != Kind.ROUTED_EXPERT or d.reason == MTP_REASON:
+            continue
+        if d.role.fused is None:
+            per_expert[d.role.layer][(d.role.expert, d.role.shard_id)] = d.info.shape
+        else:
+            fused[d.role.layer][d.role.fused] = d.info
     declared = {info.layer: info for info in moe_layers}
-    undeclared = sorted(set(found) - set(declared))
+    undeclared = sorted((set(per_expert) | set(fused)) - set(declared))
     if undeclared:
         raise UserError(f"Layer {undeclared[0]} has routed experts on disk but {where} does not make it an "
                         "MoE layer; the config does not belong to these weights.")
     for layer, info in declared.items():
-        on_disk = found.get(layer, {})
-        experts = {e for e, _ in on_disk}
-        if len(experts) != info.num_experts or experts != set(range(info.num_experts)):
-            raise UserError(f"{where} declares {info.num_experts} experts in layer {layer}, but the "
-                            f"checkpoint holds {len(experts)}; the config does not match the weights.")
-        for expert in range(info.num_experts):
-            shapes = {s: on_disk.get((expert, s)) for s in ("w1", "w3", "w2")}
-            want = {"w1": (info.expert_width, info.hidden_size), "w3": (info.expert_width, info.hidden_size),
-                    "w2": (info.hidden_size, info.expert_width)}
-            for shard_id, shape in shapes.items():
-                if shape != want[shard_id]:
-                    raise UserError(f"Expert {expert} of layer {layer} has a {shard_id} weight of shape "
-                                    f"{shape}, but {where} implies {want[shard_id]}; the config does not "
-                                    "match the weights.")
+        if family.fused:
+            _check_fused_layer(family, info, fused.get(layer, {}), where)
+        else:
+            _check_per_expert_layer(info, per_expert.get(layer, {}), where)
+
+
+def _check_fused_layer(family: PerExpertFamily, info: MoELayerInfo, on_disk: dict, where: str) -> None:
+    for layout in family.fused:
+        want = layout.disk_shape(info.num_experts, info.hidden_size, info.expert_width)
+        found = on_disk.get(layout)
+        if found is None:
+            raise UserError(f"Layer {info.layer} has no fused expert tensor matching '{layout.name}', but "
+                            f"{where} makes it an MoE layer; the checkpoint is incomplete.")
+        if found.shape != want:
+            raise UserError(f"Tensor '{found.name}' has shape {found.shape}, but {where} implies {want} "
+                            f"({info.num_experts} experts); the config does not match the weights.")
+
+
+def _check_per_expert_layer(info: MoELayerInfo, on_disk: dict[tuple[int, str], tuple[int, ...]],
+                            where: str) -> None:
+    layer = info.layer
+    experts = {e for e, _ in on_disk}
+    if len(experts) != info.num_experts or experts != set(range(info.num_experts)):
+        raise UserError(f"{where} declares {info.num_experts} experts in layer {layer}, but the "
+                        f"checkpoint holds {len(experts)}; the config does not match the weights.")
+    want = {"w1": (info.expert_width, info.hidden_size), "w3": (info.expert_width, info.hidden_size),
+            "w2": (info.hidden_size, info.expert_width)}
+    for expert in range(info.num_experts):
+        for shard_id in ("w1", "w3", "w2"):
+            shape = on_disk.get((expert, shard_id))
+            if shape != want[shard_id]:
+                raise UserError(f"Expert {expert} of layer {layer} has a {shard_id} weight of shape "
+                                f"{shape}, but {where} implies {want[shard_id]}; the config does not "
+                                "match the weights.")

@@ -45,10 +45,17 @@ def produce(plan: Plan, item: WorkItem) -> dict[str, torch.Tensor]:
                 fp8.finite_range(tensor, name)
         return dict(sources)
     out = {}
-    quantized = plan.scheme.quantize_group(sources)
+    role = plan.decisions[item.sources[0]].role
+    if role.fused is None:
+        quantized = plan.scheme.quantize_group(sources)
+    else:
+        quantized = plan.scheme.quantize_experts(sources, plan.moe_layer(role.layer).num_experts)
     for q, weight_out, scale_out in zip(quantized, item.outputs[0::2], item.outputs[1::2]):
         out[weight_out.name] = q.weight
-        out[scale_out.name] = q.scale.to(scale_out.dtype).reshape(scale_out.shape)
+        scale = q.scale.to(scale_out.dtype)
+        if role.fused is not None:  # [E] -> [E, shards]: the shards of one expert share its scale
+            scale = scale.reshape(-1, *[1] * (len(scale_out.shape) - 1)).expand(scale_out.shape)
+        out[scale_out.name] = scale.reshape(scale_out.shape).contiguous()
     return out
 
 

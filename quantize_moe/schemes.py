@@ -36,6 +36,16 @@ class PerTensorScheme:
         scale = fp8.scale_from_amax(group_amax)
         return [QuantizedWeight(fp8.quantize(w, scale), scale.clone()) for _, w in named_weights]
 
+    def quantize_experts(self, named_weights: list[tuple[str, torch.Tensor]],
+                         num_experts: int) -> list[QuantizedWeight]:
+        """Quantize fused tensors that each hold every expert of a layer (experts lead in every
+        layout): one scale per expert, shared by all the tensors (DBRX w1 and v1). Scales `[E]`."""
+        per_expert = [(name, w.reshape(num_experts, -1)) for name, w in named_weights]
+        group_amax = torch.stack([fp8.row_amax(w, name) for name, w in per_expert]).amax(dim=0)
+        scale = fp8.scale_from_amax(group_amax)
+        return [QuantizedWeight(fp8.quantize(w, scale).reshape(original.shape), scale.clone())
+                for (_, w), (_, original) in zip(per_expert, named_weights)]
+
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fp8.dequantize(q, scale)
 

@@ -31,8 +31,10 @@ def parse_config(raw_config: dict, family: PerExpertFamily, where: str = "config
     """Parse config.json with transformers' own config class for the family (no remote code)."""
     model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
     config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
+    # transformers writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit)
+    fields = config_class._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
     try:
-        return config_class.from_dict({k: v for k, v in raw_config.items() if k != "auto_map"})
+        return config_class.from_dict(fields)
     except (TypeError, ValueError, StrictDataclassError) as e:  # transformers 5 validates fields strictly
         raise UserError(f"{where} could not be parsed as a {family.name} config ({e}); "
                         "restore the original config.json.") from None

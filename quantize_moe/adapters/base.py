@@ -1,8 +1,9 @@
 """What an adapter tells the rest of the tool about one MoE family.
 
 Every tensor of a checkpoint gets a `TensorRole`: a routed expert projection
-(with its layer, expert and vLLM shard id), a shared-expert or dense Linear, or
-something that must stay in high precision, with the reason.
+(with its layer, expert and vLLM shard id, or the `FusedLayout` of a tensor that
+holds every expert), a shared-expert or dense Linear, or something that must stay
+in high precision, with the reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from enum import Enum
 import torch
 from transformers import PretrainedConfig
 
+from quantize_moe.adapters.fused import FusedLayout
 from quantize_moe.moe.routing import RoutingRule
 
 # vLLM's FusedMoE shard ids: gate = w1, down = w2, up = w3.
@@ -37,6 +39,7 @@ class TensorRole:
     layer: int | None = None
     expert: int | None = None
     shard_id: str | None = None  # w1 / w2 / w3 for routed experts
+    fused: FusedLayout | None = None  # for a tensor holding one projection of every expert
 
 
 @dataclass(frozen=True)
@@ -50,20 +53,28 @@ class MoELayerInfo:
 
 @dataclass(frozen=True)
 class PerExpertFamily:
-    """A family whose routed experts are one 2-D Linear per expert and projection.
+    """An MoE family: where its routed experts, routers and shared experts are on disk.
 
-    Templates are regular expressions relative to one decoder layer
-    (`{layers}.{L}.`); `{proj}` in `experts` matches the projection names.
+    Routed experts are either one 2-D Linear per expert and projection (`experts`,
+    whose `(?P<proj>...)` group names the projection) or fused tensors holding every
+    expert (`fused`). Templates are regular expressions relative to one decoder
+    layer (`{layers}.{L}.`), except `keep_modules`, which match whole module names.
     """
 
     name: str
     model_types: tuple[str, ...]
-    experts: str  # e.g. r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2)"
-    projections: dict[str, str]  # on-disk projection name -> shard id
-    routers: tuple[str, ...]  # module patterns of routers (stay high precision)
+    experts: str = ""  # e.g. r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2)"
+    projections: dict[str, str] = field(default_factory=dict)  # on-disk projection name -> shard id
+    routers: tuple[str, ...] = ()  # module patterns of routers (stay high precision)
+    fused: tuple[FusedLayout, ...] = ()  # fused expert tensors, instead of `experts`
     shared_experts: tuple[str, ...] = ()  # module patterns of shared-expert Linears
     keep_linears: tuple[tuple[str, str], ...] = ()  # (module pattern, reason): other Linears that stay
+    keep_modules: tuple[tuple[str, str], ...] = ()  # (whole-name pattern, reason): e.g. a vision tower
     layers: str = r"model\.layers"
+    activation: str = "silu"  # of the experts' GLU: "silu", or gpt-oss's clamped "swigluoai"
+    # Engines known to load this family's FP8 output; empty with a reason when none does.
+    fp8_loads_in: str = "vLLM, SGLang"
+    fp8_refusal: str = ""
     config_model_type: str | None = None  # transformers config class to parse with, when model_type has none
     num_experts_keys: tuple[str, ...] = ("num_local_experts",)
     expert_width_keys: tuple[str, ...] = ("moe_intermediate_size", "intermediate_size")
@@ -76,15 +87,24 @@ class PerExpertFamily:
     def __post_init__(self) -> None:
         layer = rf"^(?P<prefix>{self.layers}\.(?P<layer>\d+))\."
         compiled = self._patterns
-        compiled["expert"] = re.compile(layer + self.experts + r"\.weight$")
+        compiled["layer"] = re.compile(layer)
+        compiled["expert"] = re.compile(layer + self.experts + r"\.weight$") if self.experts else None
+        compiled["fused"] = [(re.compile(layer + f.name + "$"), f) for f in self.fused]
+        compiled["keep_whole"] = [(re.compile(p), why) for p, why in self.keep_modules]
         compiled["router"] = [re.compile(layer + p + "$") for p in self.routers]
         compiled["shared"] = [re.compile(layer + p + r"\.") for p in self.shared_experts]
         compiled["keep"] = [(re.compile(layer + p + "$"), why) for p, why in self.keep_linears]
 
     # -- config -------------------------------------------------------------------------------
-    def config_value(self, config: PretrainedConfig, keys: tuple[str, ...]) -> int | None:
+    def config_value(self, config: PretrainedConfig, keys: tuple[str, ...], layer: int = 0) -> int | None:
+        """The first key present; dotted keys reach into sub-configs (DBRX `ffn_config.*`), and a
+        per-layer list (Hunyuan `moe_topk`) gives the layer's entry."""
         for key in keys:
-            value = getattr(config, key, None)
+            value = config
+            for part in key.split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, (list, tuple)):
+                value = value[layer]
             if value is not None:
                 return value
         return None
@@ -94,14 +114,26 @@ class PerExpertFamily:
         return True
 
     def moe_layers(self, config: PretrainedConfig) -> list[MoELayerInfo]:
-        experts = self.config_value(config, self.num_experts_keys)
-        if not experts:
+        config = config.get_text_config()
+        if not self.config_value(config, self.num_experts_keys):
             return []
-        info = dict(num_experts=experts, hidden_size=config.hidden_size,
-                    expert_width=self.config_value(config, self.expert_width_keys),
-                    top_k=self.config_value(config, self.top_k_keys))
-        return [MoELayerInfo(layer=i, **info) for i in range(config.num_hidden_layers)
-                if self.is_moe_layer(config, i)]
+        return [MoELayerInfo(layer=i, num_experts=self.config_value(config, self.num_experts_keys, i),
+                             hidden_size=config.hidden_size,
+                             expert_width=self.config_value(config, self.expert_width_keys, i),
+                             top_k=self.config_value(config, self.top_k_keys, i))
+                for i in range(config.num_hidden_layers) if self.is_moe_layer(config, i)]
+
+    def mtp_layers(self, config: PretrainedConfig) -> list[int]:
+        """Multi-token-prediction layers that real DeepSeek-V3 / GLM checkpoints keep after the
+        decoder layers (`num_nextn_predict_layers`); transformers' models do not build them."""
+        config = config.get_text_config()
+        extra = getattr(config, "num_nextn_predict_layers", 0) or 0
+        return list(range(config.num_hidden_layers, config.num_hidden_layers + extra))
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder-layer index a tensor belongs to, if any."""
+        m = self._patterns["layer"].match(name)
+        return int(m["layer"]) if m else None
 
     def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor]) -> RoutingRule:
         """The family's top-k rule; `router` maps the router's parameter names to tensors."""
@@ -120,9 +152,15 @@ class PerExpertFamily:
         """Classify one checkpoint tensor by its name and rank."""
         module, _, param = name.rpartition(".")
         linear = param == "weight" and ndim == 2
-        if m := self._patterns["expert"].match(name):
+        if self._patterns["expert"] and (m := self._patterns["expert"].match(name)):
             return TensorRole(Kind.ROUTED_EXPERT, module, True, layer=int(m["layer"]),
                               expert=int(m["expert"]), shard_id=self.projections[m["proj"]])
+        for pattern, layout in self._patterns["fused"]:
+            if m := pattern.match(name):
+                return TensorRole(Kind.ROUTED_EXPERT, module, True, layer=int(m["layer"]), fused=layout)
+        for pattern, why in self._patterns["keep_whole"]:
+            if pattern.match(module):
+                return TensorRole(Kind.HIGH_PRECISION, module, linear, why)
         if m := next(filter(None, (p.match(module) for p in self._patterns["router"])), None):
             return TensorRole(Kind.ROUTER, module, linear, "router: top-k choices flip when it is quantized",
                               layer=int(m["layer"]))

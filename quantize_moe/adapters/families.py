@@ -1,7 +1,8 @@
-"""The MoE families whose experts are stored as one Linear per expert and projection.
+"""The MoE families quantize-moe knows, each a declaration.
 
-Each family is a declaration: where its experts, routers and shared experts live,
-and which config keys say how many experts there are and which layers are MoE.
+Where a family's experts (per expert, or fused), routers and shared experts live,
+what else stays in high precision, and which config keys say how many experts
+there are and which layers are MoE. Layout facts: ../shared/reference/moe-families.md.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters.base import PerExpertFamily
+from quantize_moe.adapters.fused import FusedLayout
 from quantize_moe.moe.routing import RoutingRule
 
 MIXTRAL_PROJECTIONS = {"w1": "w1", "w3": "w3", "w2": "w2"}
 LLAMA_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 EXPERTS_GATE_UP_DOWN = r"mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+EXPERTS_W1_W3_W2 = r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2)"
+MAMBA = ((r"mamba\..*", "Mamba mixer: state-space parameters stay bf16"),)
+LINEAR_ATTENTION = ((r"linear_attn\..*", "linear attention: stays bf16"),)
 
 
 class QwenMoEFamily(PerExpertFamily):
@@ -27,7 +32,7 @@ class QwenMoEFamily(PerExpertFamily):
 
 
 class DeepseekFamily(PerExpertFamily):
-    """DeepSeek-V2/V3, Kimi-K2: the first `first_k_dense_replace` layers are dense MLPs."""
+    """DeepSeek-V2/V3, Kimi-K2, GLM-4.5: the first `first_k_dense_replace` layers are dense MLPs."""
 
     def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
         first_dense = getattr(config, "first_k_dense_replace", 0) or 0
@@ -47,10 +52,49 @@ class DeepseekFamily(PerExpertFamily):
         return RoutingRule("grouped_softmax", **common)
 
 
+class ErnieFamily(PerExpertFamily):
+    """ERNIE-4.5: MoE from `moe_layer_start_index` to `moe_layer_end_index`, every `moe_layer_interval`."""
+
+    def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
+        end = config.moe_layer_end_index
+        end = config.num_hidden_layers - 1 if end is None or end < 0 else end
+        return config.moe_layer_start_index <= layer <= end and (layer + 1) % config.moe_layer_interval == 0
+
+
+class JambaFamily(PerExpertFamily):
+    """Jamba: MoE every `expert_layer_period` layers from `expert_layer_offset`."""
+
+    def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
+        return config.layers_num_experts[layer] > 1
+
+
+class Llama4Family(PerExpertFamily):
+    """Llama-4: the text config's `moe_layers` (from `interleave_moe_layer_step`)."""
+
+    def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
+        return layer in config.moe_layers
+
+
 MIXTRAL = PerExpertFamily(
     name="Mixtral",
     model_types=("mixtral",),
-    experts=r"block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w3|w2)",
+    experts=EXPERTS_W1_W3_W2,
+    projections=MIXTRAL_PROJECTIONS,
+    routers=(r"block_sparse_moe\.gate",),
+)
+
+PHIMOE = PerExpertFamily(
+    name="Phi-3.5-MoE",
+    model_types=("phimoe",),
+    experts=EXPERTS_W1_W3_W2,
+    projections=MIXTRAL_PROJECTIONS,
+    routers=(r"block_sparse_moe\.gate",),
+)
+
+MINIMAX_M2 = PerExpertFamily(
+    name="MiniMax-M2",
+    model_types=("minimax_m2",),
+    experts=EXPERTS_W1_W3_W2,
     projections=MIXTRAL_PROJECTIONS,
     routers=(r"block_sparse_moe\.gate",),
 )
@@ -88,4 +132,137 @@ DEEPSEEK = DeepseekFamily(
     num_experts_keys=("n_routed_experts",),
 )
 
-FAMILIES: tuple[PerExpertFamily, ...] = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK)
+QWEN3_NEXT = QwenMoEFamily(
+    name="Qwen3-Next",
+    model_types=("qwen3_next",),
+    experts=EXPERTS_GATE_UP_DOWN,
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"mlp\.gate",),
+    shared_experts=(r"mlp\.shared_expert",),
+    keep_linears=((r"mlp\.shared_expert_gate", "shared_expert_gate: a 1-row gate on the shared expert"),
+                  *LINEAR_ATTENTION),
+    num_experts_keys=("num_experts",),
+)
+
+GLM4_MOE = DeepseekFamily(
+    name="GLM-4.5/4.6",
+    model_types=("glm4_moe",),
+    experts=EXPERTS_GATE_UP_DOWN,
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"mlp\.gate",),
+    shared_experts=(r"mlp\.shared_experts",),
+    num_experts_keys=("n_routed_experts",),
+)
+
+OLMOE = PerExpertFamily(
+    name="OLMoE",
+    model_types=("olmoe",),
+    experts=EXPERTS_GATE_UP_DOWN,
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"mlp\.gate",),
+    num_experts_keys=("num_experts",),
+)
+
+ERNIE4_5_MOE = ErnieFamily(
+    name="ERNIE-4.5-MoE",
+    model_types=("ernie4_5_moe",),
+    experts=EXPERTS_GATE_UP_DOWN,
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"mlp\.gate",),
+    shared_experts=(r"mlp\.shared_experts",),
+    num_experts_keys=("moe_num_experts",),
+    top_k_keys=("moe_k",),
+)
+
+HUNYUAN_MOE = PerExpertFamily(
+    name="Hunyuan-MoE",
+    model_types=("hunyuan_v1_moe",),
+    experts=EXPERTS_GATE_UP_DOWN,
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"mlp\.gate\.wg",),
+    shared_experts=(r"mlp\.shared_mlp",),
+    num_experts_keys=("num_experts",),
+    top_k_keys=("moe_topk",),
+)
+
+JAMBA = JambaFamily(
+    name="Jamba",
+    model_types=("jamba",),
+    experts=r"feed_forward\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)",
+    projections=LLAMA_PROJECTIONS,
+    routers=(r"feed_forward\.router",),
+    keep_linears=MAMBA,
+    num_experts_keys=("num_experts",),
+)
+
+# vLLM's GraniteMoe(Shared|Hybrid) loaders split `input_linear.weight_scale` like the weight:
+# `p[e].chunk(2)`, so the gate/up scale of expert e is a row of two.
+_GRANITE_EXPERTS = (
+    FusedLayout(r"block_sparse_moe\.input_linear\.weight", ("w1", "w3"), "w13"),
+    FusedLayout(r"block_sparse_moe\.output_linear\.weight", ("w2",), "w2"),
+)
+
+GRANITE_MOE = PerExpertFamily(
+    name="GraniteMoE",
+    model_types=("granitemoe", "granitemoeshared", "granitemoehybrid"),
+    fused=_GRANITE_EXPERTS,
+    routers=(r"block_sparse_moe\.router\.layer",),
+    shared_experts=(r"shared_mlp",),
+    keep_linears=MAMBA,
+    fp8_loads_in="vLLM (GraniteMoeShared/Hybrid loaders route input_linear/output_linear weight_scale)",
+)
+
+DBRX = PerExpertFamily(
+    name="DBRX",
+    model_types=("dbrx",),
+    fused=(
+        FusedLayout(r"ffn\.experts\.mlp\.w1", ("w1",), "w13", flat=True),
+        FusedLayout(r"ffn\.experts\.mlp\.v1", ("w3",), "w13", flat=True),
+        FusedLayout(r"ffn\.experts\.mlp\.w2", ("w2",), "w2", flat=True, transposed=True),
+    ),
+    routers=(r"ffn\.router\.layer",),
+    layers=r"transformer\.blocks",
+    num_experts_keys=("ffn_config.moe_num_experts",),
+    expert_width_keys=("ffn_config.ffn_hidden_size",),
+    top_k_keys=("ffn_config.moe_top_k",),
+    fp8_loads_in="vLLM (DbrxExperts.weight_loader reads mlp.{w1,v1,w2}_weight_scale)",
+)
+
+GPT_OSS = PerExpertFamily(
+    name="gpt-oss",
+    model_types=("gpt_oss",),
+    fused=(
+        FusedLayout(r"mlp\.experts\.gate_up_proj", ("w1", "w3"), "w13", transposed=True, interleaved=True,
+                    bias=True),
+        FusedLayout(r"mlp\.experts\.down_proj", ("w2",), "w2", transposed=True,
+                    bias=True),
+    ),
+    routers=(r"mlp\.router",),
+    activation="swigluoai",
+    fp8_loads_in="",
+    fp8_refusal="vLLM's gpt-oss loader (GptOssModel._load_weights_other) copies gate_up_proj/down_proj "
+                "into w13/w2 and has no path for their weight scales, and transformers has no FP8 path "
+                "for its fused experts, so an FP8 gpt-oss checkpoint loads nowhere",
+)
+
+LLAMA4 = Llama4Family(
+    name="Llama-4",
+    model_types=("llama4", "llama4_text"),
+    fused=(
+        FusedLayout(r"feed_forward\.experts\.gate_up_proj", ("w1", "w3"), "w13", transposed=True),
+        FusedLayout(r"feed_forward\.experts\.down_proj", ("w2",), "w2", transposed=True),
+    ),
+    routers=(r"feed_forward\.router",),
+    shared_experts=(r"feed_forward\.shared_expert",),
+    keep_modules=((r"(vision_model|multi_modal_projector)\.", "vision tower: stays bf16"),),
+    layers=r"(?:language_model\.)?model\.layers",
+    fp8_loads_in="",
+    fp8_refusal="vLLM's Llama-4 loader (Llama4Model.load_moe_expert_weights) maps fused "
+                "experts.gate_up_proj/down_proj weights but loads a flat expert weight_scale into "
+                "expert 0 only, so fused FP8 Llama-4 experts load nowhere",
+)
+
+FAMILIES: tuple[PerExpertFamily, ...] = (
+    MIXTRAL, QWEN2_MOE, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK, GLM4_MOE, OLMOE, PHIMOE, ERNIE4_5_MOE, HUNYUAN_MOE,
+    MINIMAX_M2, JAMBA, GRANITE_MOE, DBRX, GPT_OSS, LLAMA4,
+)

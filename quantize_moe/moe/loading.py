@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
+from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.formats import read_quantization
 from quantize_moe.moe.layer import FusedMoE
@@ -34,6 +35,7 @@ class MoECheckpoint:
     scale_suffix: str | None
     layers: dict[int, MoELayerInfo]
     experts: dict[int, list[tuple[str, int, str]]] = field(default_factory=dict)  # layer -> (module, e, shard)
+    fused: dict[int, list[tuple[str, FusedLayout]]] = field(default_factory=dict)  # layer -> (name, layout)
 
     @classmethod
     def open(cls, folder: str | Path) -> "MoECheckpoint":
@@ -43,12 +45,15 @@ class MoECheckpoint:
         config = parse_config(checkpoint.raw_config, family, where)
         spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
         experts: dict[int, list] = defaultdict(list)
+        fused: dict[int, list] = defaultdict(list)
         for name, info in checkpoint.tensors.items():
             role = family.role(name, len(info.shape))
-            if role.kind == Kind.ROUTED_EXPERT:
+            if role.kind == Kind.ROUTED_EXPERT and role.fused is not None:
+                fused[role.layer].append((name, role.fused))
+            elif role.kind == Kind.ROUTED_EXPERT:
                 experts[role.layer].append((role.module, role.expert, role.shard_id))
         layers = {info.layer: info for info in family.moe_layers(config)}
-        return cls(checkpoint, family, config, spec, scale_suffix, layers, dict(experts))
+        return cls(checkpoint, family, config, spec, scale_suffix, layers, dict(experts), dict(fused))
 
     def load_layer(self, layer: int, device: str | torch.device = "cpu",
                    params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
@@ -64,5 +69,33 @@ class MoECheckpoint:
                 moe.weight_loader(params[f"{prefix}_weight_scale"],
                                   self.checkpoint.get(f"{module}.{self.scale_suffix}").float(),
                                   f"{prefix}_weight_scale", shard_id, expert)
+        for name, layout in self.fused.get(layer, []):
+            self._load_fused(moe, params, name, layout, info.num_experts)
         moe.process_weights_after_loading()
         return moe.to(device)
+
+    def _load_fused(self, moe: FusedMoE, params: dict, name: str, layout: FusedLayout, num_experts: int) -> None:
+        """Slice a tensor holding every expert into per-expert w1/w3/w2 and load each one, like the
+        engines' `load_weights` for these families; scales `[E]` or `[E, shards]` go per expert and shard."""
+        prefix = "w2" if layout.shards == ("w2",) else "w13"
+        shards = layout.split(self.checkpoint.get(name), num_experts)
+        scales = None
+        if self.scale_suffix is not None:
+            scales = self.checkpoint.get(scale_name(name, self.scale_suffix)).float().reshape(num_experts, -1)
+        for index, (shard_id, weights) in enumerate(shards.items()):
+            for expert in range(num_experts):
+                moe.weight_loader(params[f"{prefix}_weight"], weights[expert], f"{prefix}_weight", shard_id, expert)
+                if scales is not None:
+                    moe.weight_loader(params[f"{prefix}_weight_scale"], scales[expert, index % scales.shape[1]],
+                                      f"{prefix}_weight_scale", shard_id, expert)
+
+    def load_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13_bias [E, 2I] gate then up, w2_bias [E, H]) of a family with expert biases (gpt-oss)."""
+        biases = {}
+        for name, layout in self.fused.get(layer, []):
+            if not layout.bias:
+                return None
+            biases.update(layout.split_bias(self.checkpoint.get(f"{name}_bias").float()))
+        if not biases:
+            return None
+        return torch.cat([biases["w1"], biases["w3"]], dim=1), biases["w2"]
