@@ -1,8 +1,10 @@
-"""Dequantize an FP8 checkpoint back to bf16 (or another float dtype).
+"""Read any supported checkpoint in high precision, and write FP8 checkpoints back as bf16.
 
-Reads whatever scale layout the checkpoint's quantization_config declares, so it
-serves our own output (to load it into plain transformers models for accuracy
-checks) and pre-quantized releases alike.
+`SourceReader` is the one place FP8 weights become floats again: per-tensor,
+per-channel and 128x128-block scales (DeepSeek-V3, Kimi-K2 and Qwen FP8 releases
+ship `weight_scale_inv` blocks), and the per-expert scales of fused expert
+tensors. `quantize` reads a pre-quantized SRC through it (dequantize, then
+requantize into the requested scheme); `dequantize` writes what it reads.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import torch
 
+from quantize_moe.adapters import Kind, PerExpertFamily, adapter_for, parse_config
+from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.errors import UserError
 from quantize_moe.formats import read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
 from quantize_moe.moe.quant_spec import expand_weight_scale
@@ -21,33 +26,74 @@ from quantize_moe.output import (check_destination, copy_extra_files, extra_file
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
-def _is_scale(name: str) -> bool:
-    return name.rpartition(".")[2] in SCALE_SUFFIXES
+class SourceReader:
+    """The tensors of a checkpoint, FP8 weights dequantized to `dtype`; scale tensors are metadata
+    of the source's quantization, not tensors of the model, and are left out of `names`."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
+        where = f"'{checkpoint.folder / CONFIG_NAME}'"
+        self.checkpoint, self.dtype = checkpoint, dtype
+        self.spec, self.scale_suffix = read_quantization(checkpoint.raw_config, where)
+        self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where)
+        config = parse_config(checkpoint.raw_config, self.family, where)
+        self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(config)}
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_suffix is not None
+
+    def is_scale(self, name: str) -> bool:
+        return self.quantized and name.endswith(SCALE_SUFFIXES)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name in self.checkpoint.tensors if not self.is_scale(name)]
+
+    def output_dtype(self, name: str) -> torch.dtype:
+        dtype = self.checkpoint.tensors[name].dtype
+        return self.dtype if dtype == FP8_DTYPE else dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self.checkpoint.get(name)
+        if tensor.dtype != FP8_DTYPE:
+            return tensor
+        role = self.family.role(name, tensor.dim())
+        if role.kind == Kind.ROUTED_EXPERT and role.fused is not None:
+            return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
+        scale = self.checkpoint.get(f"{name.removesuffix('.weight')}.{self.scale_suffix}").float()
+        scale = expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
+                                    self.spec, (1, *tensor.shape))[0]
+        return (tensor.float() * scale).to(self.dtype)
+
+    def _fused(self, name: str, q: torch.Tensor, layout: FusedLayout, num_experts: int) -> torch.Tensor:
+        """Per-tensor scales `[E]` or `[E, shards]` of a tensor holding every expert."""
+        scales = self.checkpoint.get(scale_name(name, self.scale_suffix)).float().reshape(num_experts, -1)
+        shards = {shard: w.float() * scales[:, i % scales.shape[1], None, None]
+                  for i, (shard, w) in enumerate(layout.split(q, num_experts).items())}
+        return layout.join(shards, q.shape)
+
+    def close(self) -> None:
+        self.checkpoint.close()
 
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16, *,
                           overwrite: bool = False) -> None:
     """Write SRC into DST in `dtype`, shard by shard, without scales or quantization_config."""
     src, dst = Path(src), Path(dst)
-    checkpoint = Checkpoint(src)
-    spec, scale_suffix = read_quantization(checkpoint.raw_config, f"'{src / CONFIG_NAME}'")
+    reader = SourceReader(Checkpoint(src), dtype)
+    checkpoint = reader.checkpoint
+    if not reader.quantized:
+        raise UserError(f"'{src / CONFIG_NAME}' has no quantization_config: SRC is not quantized, so there "
+                        "is nothing to dequantize.")
     extras = extra_files(checkpoint)
     check_destination(src, dst, overwrite=overwrite, resume=False)
     prepare_destination(dst, overwrite=overwrite)
     weight_map, total = {}, 0
+    names = set(reader.names)
     for file in checkpoint.shard_files:
-        tensors = {}
-        for name, info in checkpoint.tensors.items():
-            if info.file != file or _is_scale(name):
-                continue
-            tensor = checkpoint.get(name)
-            if tensor.dtype == FP8_DTYPE:
-                scale = checkpoint.get(f"{name.removesuffix('.weight')}.{scale_suffix}").float()
-                scale = expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
-                                            spec, (1, *tensor.shape))[0]
-                tensor = (tensor.float() * scale).to(dtype)
-            tensors[name] = tensor
-            total += tensor.nbytes
+        tensors = {name: reader.get(name) for name, info in checkpoint.tensors.items()
+                   if info.file == file and name in names}
+        total += sum(t.nbytes for t in tensors.values())
         write_shard(dst / file, tensors)
         weight_map.update(dict.fromkeys(tensors, file))
     copy_extra_files(checkpoint, dst, extras)
@@ -55,4 +101,4 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
         write_json(dst / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
     config = {k: v for k, v in checkpoint.raw_config.items() if k != "quantization_config"}
     write_json(dst / CONFIG_NAME, config)
-    checkpoint.close()
+    reader.close()

@@ -37,6 +37,10 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
     if qc is None:
         return UNQUANTIZED, None
     method = qc.get("quant_method")
+    if method == "mxfp4":
+        raise UserError(f"{where} says the checkpoint is MXFP4 (the gpt-oss release format), which "
+                        "quantize-moe does not read; use a bf16 copy (e.g. openai's *-BF16 conversions, or load "
+                        "it in transformers with Mxfp4Config(dequantize=True) and save_pretrained).")
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig
 
-from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, adapter_for, parse_config
+from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, parse_config
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.dequantize import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.formats import FORMATS, read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
@@ -74,7 +75,7 @@ class WorkItem:
 
 @dataclass
 class Plan:
-    checkpoint: Checkpoint
+    source: SourceReader  # the checkpoint, read in high precision (pre-quantized SRCs dequantized)
     family: PerExpertFamily
     config: PretrainedConfig
     options: Options
@@ -82,6 +83,10 @@ class Plan:
     decisions: dict[str, Decision]
     items: list[WorkItem]
     shards: list[list[WorkItem]] = field(default_factory=list)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self.source.checkpoint
 
     @property
     def scheme(self):
@@ -116,11 +121,23 @@ class Plan:
 
     @property
     def bytes_before(self) -> int:
-        return sum(d.info.nbytes for d in self.decisions.values())
+        """On disk, scales of a pre-quantized SRC included."""
+        return sum(info.nbytes for info in self.checkpoint.tensors.values())
 
     @property
     def bytes_after(self) -> int:
         return sum(o.nbytes for item in self.items for o in item.outputs)
+
+    def check_loadable(self) -> None:
+        """Refuse, before anything is written, an output that no engine loads."""
+        family, where = self.family, f"'{self.checkpoint.folder / CONFIG_NAME}'"
+        quantizes_experts = any(d.quantize and d.role.kind == Kind.ROUTED_EXPERT for d in self.decisions.values())
+        if family.fp8_refusal and quantizes_experts:
+            raise UserError(f"{where} is a {family.name} checkpoint, which quantize-moe does not quantize: "
+                            f"{family.fp8_refusal}.")
+        if family.fused and self.options.scheme != "tensor":
+            raise UserError(f"--scheme {self.options.scheme} is not available for {family.name}, whose experts "
+                            "are fused tensors that engines load with per-tensor scales only; use --scheme tensor.")
 
     @property
     def shard_names(self) -> list[str]:
@@ -142,37 +159,42 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
         raise UserError(f"--scheme {options.scheme} is not available; choose one of {', '.join(SCHEMES)}.")
     if options.format not in FORMATS:
         raise UserError(f"--format {options.format} is not available; choose one of {', '.join(FORMATS)}.")
-    raw = checkpoint.raw_config
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
-    if "quantization_config" in raw:
-        _refuse_quantized(raw, where)
-    family = adapter_for(raw, where)
-    config = parse_config(raw, family, where)
+    _check_source_quantization(checkpoint.raw_config, options, where)
+    source = SourceReader(checkpoint)
+    family = source.family
+    config = parse_config(checkpoint.raw_config, family, where)
     mtp = set(family.mtp_layers(config))
-    decisions = {name: _decide(info, family.role(name, len(info.shape)), options,
-                               in_mtp_layer=family.layer_of(name) in mtp)
-                 for name, info in checkpoint.tensors.items()}
+    decisions = {}
+    for name in source.names:
+        info = replace(checkpoint.tensors[name], dtype=source.output_dtype(name))
+        decisions[name] = _decide(info, family.role(name, len(info.shape)), options,
+                                  in_mtp_layer=family.layer_of(name) in mtp)
     moe_layers = family.moe_layers(config)
     _check_experts(family, moe_layers, decisions, where)
-    _check_family_output(family, decisions, options, where)
     num_experts = {info.layer: info.num_experts for info in moe_layers}
-    plan = Plan(checkpoint, family, config, options, moe_layers, decisions,
+    plan = Plan(source, family, config, options, moe_layers, decisions,
                 _work_items(decisions, options, num_experts))
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
     return plan
 
 
-def _refuse_quantized(raw: dict, where: str) -> None:
-    """An already-quantized SRC: say whether `quantize-moe dequantize` can bring it back to bf16."""
+def _check_source_quantization(raw: dict, options: Options, where: str) -> None:
+    """A pre-quantized SRC is dequantized and requantized; refuse one quantize-moe cannot read, or one
+    already quantized the way it is asked for (there is nothing to do)."""
+    if "quantization_config" not in raw:
+        return
     qc = raw["quantization_config"]
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     try:
-        read_quantization(raw, where)
+        spec, scale_suffix = read_quantization(raw, where)
     except (UserError, AttributeError):
         raise UserError(f"{where} says the checkpoint is already quantized ({method}), in a format quantize-moe "
                         "cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
-    raise UserError(f"{where} says the checkpoint is already quantized ({method}); run `quantize-moe "
-                    "dequantize` on it first, or point SRC at the bf16/fp16/fp32 original.")
+    if spec == SCHEMES[options.scheme].moe_spec and scale_suffix == FORMATS[options.format].scale_suffix:
+        raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
+                        f"{options.scheme} --format {options.format} asks; point SRC at the bf16/fp16/fp32 "
+                        "original.")
 
 
 def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: bool = False) -> Decision:
@@ -254,18 +276,6 @@ def _assign_shards(items: list[WorkItem], max_shard_size: int) -> list[list[Work
         shards[-1].append(item)
         size += item_bytes
     return shards
-
-
-def _check_family_output(family: PerExpertFamily, decisions: dict[str, Decision], options: Options,
-                         where: str) -> None:
-    """Refuse outputs no engine loads, before anything is written."""
-    quantizes_experts = any(d.quantize and d.role.kind == Kind.ROUTED_EXPERT for d in decisions.values())
-    if family.fp8_refusal and quantizes_experts:
-        raise UserError(f"{where} is a {family.name} checkpoint, which quantize-moe does not quantize: "
-                        f"{family.fp8_refusal}.")
-    if family.fused and options.scheme != "tensor":
-        raise UserError(f"--scheme {options.scheme} is not available for {family.name}, whose experts are "
-                        "fused tensors that engines load with per-tensor scales only; use --scheme tensor.")
 
 
 def _check_experts(family: PerExpertFamily, moe_layers: list[MoELayerInfo], decisions: dict[str, Decision],

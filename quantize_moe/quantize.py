@@ -38,7 +38,7 @@ class RunSummary:
 
 def produce(plan: Plan, item: WorkItem) -> dict[str, torch.Tensor]:
     """The output tensors of one work item, named as `item.outputs` lists them."""
-    sources = [(name, plan.checkpoint.get(name)) for name in item.sources]
+    sources = [(name, plan.source.get(name)) for name in item.sources]
     if not item.quantize:
         for name, tensor in sources:
             if tensor.is_floating_point() and tensor.numel():
@@ -76,6 +76,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, options: Options = Opt
     src, dst = Path(src), Path(dst)
     checkpoint = Checkpoint(src, allow_pickle=allow_pickle)
     plan = make_plan(checkpoint, options)
+    plan.check_loadable()
     extras = extra_files(checkpoint)
     check_destination(src, dst, overwrite=overwrite, resume=resume)
     manifest = Manifest.for_run(dst, run_fingerprint(plan), resume)

@@ -36,11 +36,30 @@ def overview_table(plan: Plan) -> Table:
     if moe:
         table.add_row("experts per layer", f"{moe[0].num_experts} (top-{moe[0].top_k})")
         table.add_row("expert width x hidden", f"{moe[0].expert_width} x {moe[0].hidden_size}")
+        table.add_row("expert layout", _expert_layout(plan))
+    if plan.mtp_layers:
+        table.add_row("multi-token-prediction layers", f"{_layer_ranges(plan.mtp_layers)} (kept in high precision)")
+    if plan.source.quantized:
+        table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): "
+                      "dequantized, then requantized")
+    table.add_row("FP8 output loads in", plan.family.fp8_loads_in or f"nowhere: {plan.family.fp8_refusal}")
     table.add_row("scheme / format", f"{plan.options.scheme} / {plan.options.format}")
     table.add_row("size before -> after",
                   f"{human_bytes(plan.bytes_before)} -> {human_bytes(plan.bytes_after)} "
                   f"in {len(plan.shards)} shard(s)")
     return table
+
+
+def _expert_layout(plan: Plan) -> str:
+    if not plan.family.fused:
+        return "one Linear per expert and projection"
+    parts = []
+    for layout in plan.family.fused:
+        notes = [n for n, on in (("experts concatenated", layout.flat), ("transposed: in x out per expert", layout.transposed),
+                                 ("shards interleaved", layout.interleaved)) if on]
+        parts.append(f"{layout.name.replace(chr(92), '')} -> {'+'.join(layout.shards)}"
+                     + (f" ({', '.join(notes)})" if notes else ""))
+    return "fused: " + "; ".join(parts)
 
 
 def decisions_table(plan: Plan) -> Table:
