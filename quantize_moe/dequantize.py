@@ -27,8 +27,9 @@ SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 class SourceReader:
-    """The tensors of a checkpoint, FP8 weights dequantized to `dtype`; scale tensors are metadata
-    of the source's quantization, not tensors of the model, and are left out of `names`."""
+    """The tensors of a checkpoint, FP8 weights dequantized to `dtype` (float32 when they are to be
+    requantized, so no bf16 rounding sits between the two); scale tensors are metadata of the
+    source's quantization, not tensors of the model, and are left out of `names`."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
         where = f"'{checkpoint.folder / CONFIG_NAME}'"
@@ -50,8 +51,9 @@ class SourceReader:
         return [name for name in self.checkpoint.tensors if not self.is_scale(name)]
 
     def output_dtype(self, name: str) -> torch.dtype:
+        """FP8 weights that are not requantized are written in bf16."""
         dtype = self.checkpoint.tensors[name].dtype
-        return self.dtype if dtype == FP8_DTYPE else dtype
+        return torch.bfloat16 if dtype == FP8_DTYPE else dtype
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self.checkpoint.get(name)

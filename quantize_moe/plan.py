@@ -161,7 +161,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
         raise UserError(f"--format {options.format} is not available; choose one of {', '.join(FORMATS)}.")
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     _check_source_quantization(checkpoint.raw_config, options, where)
-    source = SourceReader(checkpoint)
+    source = SourceReader(checkpoint, dtype=torch.float32)
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where)
     mtp = set(family.mtp_layers(config))

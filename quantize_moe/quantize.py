@@ -39,11 +39,11 @@ class RunSummary:
 def produce(plan: Plan, item: WorkItem) -> dict[str, torch.Tensor]:
     """The output tensors of one work item, named as `item.outputs` lists them."""
     sources = [(name, plan.source.get(name)) for name in item.sources]
-    if not item.quantize:
+    if not item.quantize:  # FP8 tensors of a pre-quantized SRC that stay high precision become bf16
         for name, tensor in sources:
             if tensor.is_floating_point() and tensor.numel():
                 fp8.finite_range(tensor, name)
-        return dict(sources)
+        return {out.name: tensor.to(out.dtype) for (_, tensor), out in zip(sources, item.outputs)}
     out = {}
     role = plan.decisions[item.sources[0]].role
     if role.fused is None:

@@ -6,11 +6,17 @@ real Hub tensor names, so what works here works on a downloaded checkpoint.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
+
+from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME
+from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.moe.reference import quantize_weight
 
 _ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=128, tie_word_embeddings=False,
@@ -81,3 +87,53 @@ def build_tiny_checkpoint(model_type: str, folder: str | Path, *, seed: int = 0,
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
+
+
+def add_mtp_layer(folder: str | Path) -> Path:
+    """Append a multi-token-prediction layer the way real DeepSeek-V3 / GLM checkpoints store it (at
+    index `num_hidden_layers`, experts included), which transformers' `save_pretrained` leaves out."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    index = json.loads((folder / INDEX_NAME).read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        for name, tensor in load_file(folder / file).items():
+            if name.startswith(f"model.layers.{last}."):
+                tensors[name.replace(f".{last}.", f".{mtp}.", 1)] = tensor
+    hidden = config["hidden_size"]
+    tensors.update({f"model.layers.{mtp}.eh_proj.weight": torch.randn(hidden, 2 * hidden).bfloat16(),
+                    f"model.layers.{mtp}.enorm.weight": torch.ones(hidden).bfloat16(),
+                    f"model.layers.{mtp}.hnorm.weight": torch.ones(hidden).bfloat16()})
+    save_file(tensors, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    (folder / CONFIG_NAME).write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return folder
+
+
+def to_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
+                 quantize: tuple[str, ...] = ("proj", ".w1", ".w2", ".w3")) -> Path:
+    """A DeepSeek-V3-style block-FP8 copy of a bf16 checkpoint: the Linears whose names contain one of
+    `quantize` become FP8 with `weight_scale_inv` per block (128x128 in the releases; tiny models
+    need a block that divides their expert width so gate and up do not share one)."""
+    spec = MoEQuantSpec("block", "group", block)
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    index = json.loads((src / INDEX_NAME).read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for name, tensor in load_file(src / file).items():
+            if name.endswith(".weight") and tensor.dim() == 2 and any(q in name for q in quantize):
+                q, scale = quantize_weight(tensor[None].float(), spec)
+                tensors[name], tensors[f"{name.removesuffix('.weight')}.weight_scale_inv"] = q[0], scale[0]
+                index["weight_map"][f"{name.removesuffix('.weight')}.weight_scale_inv"] = file
+            else:
+                tensors[name] = tensor
+        save_file(tensors, dst / file, metadata={"format": "pt"})
+    (dst / INDEX_NAME).write_text(json.dumps(index))
+    config = json.loads((src / CONFIG_NAME).read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / CONFIG_NAME).write_text(json.dumps(config))
+    return dst

@@ -1,0 +1,201 @@
+"""Every MoE family, end to end on tiny checkpoints written by transformers' own `save_pretrained`.
+
+The central check: our stacked w13/w2 view of a checkpoint's experts (loaded through the
+adapter and the FusedMoE weight loader) computes exactly what the family's transformers
+MoE block computes. The routing is the family's own, captured where its block calls its
+experts, so these tests isolate the layout mapping; routing rules are checked in
+test_routing.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from quantize_moe.adapters import Kind
+from quantize_moe.check import check_expert_weights
+from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.dequantize import dequantize_checkpoint
+from quantize_moe.errors import UserError
+from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.moe.reference import fused_experts_reference
+from quantize_moe.plan import MTP_REASON, Options, make_plan
+from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.tiny import TINY_CONFIGS, add_mtp_layer, build_tiny_checkpoint, to_block_fp8
+
+FAMILIES = sorted(TINY_CONFIGS)
+REFUSED = {"gpt_oss", "llama4_text"}  # FP8 output loads in no engine
+TOKENS = 29
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            built[model_type] = build_tiny_checkpoint(model_type, tmp_path_factory.mktemp(model_type))
+        return built[model_type]
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny, tmp_path_factory):
+    done = {}
+
+    def get(model_type: str):
+        if model_type not in done:
+            dst = tmp_path_factory.mktemp(f"{model_type}-fp8") / "out"
+            quantize_checkpoint(tiny(model_type), dst, Options(max_shard_size=100_000), show_progress=False)
+            done[model_type] = dst
+        return done[model_type]
+    return get
+
+
+def _experts_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
+    blocks = [m for name, m in model.named_modules()
+              if name.split(".")[-2:-1] == [str(layer)] and hasattr(m, "experts")]
+    assert len(blocks) == 1, f"no single MoE block in layer {layer}"
+    return blocks[0]
+
+
+def _swigluoai_reference(x, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
+    """gpt-oss experts from the stacked view: biases and clamped SwiGLU, (up + 1) * glu."""
+    width = w2.shape[2]
+    out = torch.zeros_like(x)
+    for k in range(ids.shape[1]):
+        for e in ids[:, k].unique().tolist():
+            rows = ids[:, k] == e
+            gate_up = x[rows] @ w13[e].T + b13[e]
+            gate, up = gate_up[:, :width].clamp(max=limit), gate_up[:, width:].clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[rows] += (act @ w2[e].T + b2[e]) * weights[rows, k, None]
+    return out
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stacked_view_matches_transformers_moe_block(model_type, tiny):
+    folder = tiny(model_type)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = MoECheckpoint.open(folder)
+    assert ours.layers, "the adapter finds no MoE layer"
+    torch.manual_seed(1)
+    for layer in ours.layers:
+        block = _experts_module(model, layer)
+        calls = []
+        hook = block.experts.register_forward_hook(lambda m, args, out: calls.append((args, out)))
+        with torch.no_grad():
+            block(torch.randn(1, TOKENS, ours.layers[layer].hidden_size))
+        hook.remove()
+        (args, theirs), = calls
+        moe = ours.load_layer(layer, params_dtype=torch.float32)
+        w13, w2 = moe.dequantized_weights()
+        x = args[0].reshape(-1, w2.shape[1])
+        if len(args) == 1:  # Llama-4: router weights already applied to the input, one expert per row block
+            ids = torch.arange(ours.layers[layer].num_experts).repeat_interleave(TOKENS)[:, None]
+            expected = fused_experts_reference(x, w13, w2, torch.ones(len(ids), 1), ids)
+        elif ours.family.activation == "swigluoai":
+            expected = _swigluoai_reference(x, w13, w2, *ours.load_biases(layer), args[2].float(), args[1])
+        else:
+            expected = fused_experts_reference(x, w13, w2, args[2].float(), args[1])
+        torch.testing.assert_close(theirs.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_plan_classifies_every_tensor(model_type, tiny):
+    plan = make_plan(Checkpoint(tiny(model_type)))
+    kinds = {d.role.kind for d in plan.decisions.values()}
+    assert {Kind.ROUTED_EXPERT, Kind.ROUTER} <= kinds
+    routers = [d for d in plan.decisions.values() if d.role.kind == Kind.ROUTER]
+    assert all(not d.quantize for d in routers)
+    assert {d.role.module for d in routers if d.role.is_linear_weight} <= set(plan.ignored_modules)
+    for d in plan.decisions.values():
+        if any(part in d.info.name for part in ("mamba.", "linear_attn.")):
+            assert not d.quantize, f"{d.info.name}: hybrid mixers stay bf16"
+
+
+@pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - REFUSED))
+def test_quantized_experts_within_fp8_rounding(model_type, quantized, tiny):
+    checks = check_expert_weights(tiny(model_type), quantized(model_type))
+    assert checks and all(c.ok for c in checks)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "dbrx"])
+def test_fused_experts_written_under_own_names_with_per_expert_scales(model_type, quantized):
+    out = Checkpoint(quantized(model_type))
+    experts = {name: info for name, info in out.tensors.items() if info.dtype == torch.float8_e4m3fn
+               and ("block_sparse_moe" in name or "ffn.experts" in name)}
+    assert experts
+    for name, info in experts.items():
+        scale = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_weight_scale"
+        assert out.tensors[scale].shape[0] == 4  # one per expert
+    if model_type == "dbrx":
+        assert out.tensors["transformer.blocks.0.ffn.experts.mlp.w1_weight_scale"].shape == (4,)
+    else:
+        assert out.tensors["model.layers.0.block_sparse_moe.input_linear.weight_scale"].shape == (4, 2)
+        assert out.tensors["model.layers.0.block_sparse_moe.output_linear.weight_scale"].shape == (4,)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "dbrx", "qwen3_next", "jamba"])
+def test_dequantized_output_loads_in_transformers(model_type, quantized, tmp_path):
+    """The write-back keeps every on-disk name and layout: transformers loads the bf16 copy cleanly."""
+    dequantize_checkpoint(quantized(model_type), tmp_path / "bf16")
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_fp8_output_no_engine_loads_is_refused(model_type, tiny, tmp_path):
+    with pytest.raises(UserError, match="nowhere"):
+        quantize_checkpoint(tiny(model_type), tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_kept_in_high_precision_and_listed(model_type, tmp_path):
+    folder = add_mtp_layer(build_tiny_checkpoint(model_type, tmp_path / "src"))
+    plan = make_plan(Checkpoint(folder))
+    mtp = plan.config.num_hidden_layers
+    assert plan.mtp_layers == [mtp]
+    kept = [d for name, d in plan.decisions.items() if name.startswith(f"model.layers.{mtp}.")]
+    assert kept and not any(d.quantize for d in kept)
+    assert all(d.reason == MTP_REASON for d in kept if d.role.kind in (Kind.ROUTED_EXPERT, Kind.LINEAR))
+    assert f"model.layers.{mtp}.mlp.experts" in plan.ignored_modules
+    assert mtp not in MoECheckpoint.open(folder).layers
+
+
+def test_block_fp8_source_requantized_and_dequantized(tmp_path):
+    src = to_block_fp8(build_tiny_checkpoint("deepseek_v3", tmp_path / "bf16"), tmp_path / "block", (32, 32))
+    dst = tmp_path / "fp8"
+    quantize_checkpoint(src, dst, show_progress=False)
+    out = Checkpoint(dst)
+    assert not any(name.endswith("weight_scale_inv") for name in out.tensors)
+    assert json.loads((dst / "config.json").read_text())["quantization_config"].get("weight_block_size") is None
+    assert all(c.ok for c in check_expert_weights(src, dst))  # against the dequantized source
+    dequantize_checkpoint(src, tmp_path / "deq")
+    deq = Checkpoint(tmp_path / "deq")
+    assert all(i.dtype != torch.float8_e4m3fn for i in deq.tensors.values())
+    assert not any(name.endswith("weight_scale_inv") for name in deq.tensors)
+
+
+def test_mxfp4_source_refused(tiny, tmp_path):
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    src = tiny("gpt_oss")
+    for path in src.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(UserError, match="MXFP4"):
+        dequantize_checkpoint(folder, tmp_path / "out")
+
+
+def test_dequantize_refuses_unquantized_source(tiny, tmp_path):
+    with pytest.raises(UserError, match="not quantized"):
+        dequantize_checkpoint(tiny("mixtral"), tmp_path / "out")
