@@ -23,7 +23,8 @@ def adapter_for(raw_config: dict, where: str = "config.json") -> PerExpertFamily
     model_type = raw_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
         raise UserError(f"{where} has model_type '{model_type}', which quantize-moe does not support; "
-                        f"supported families: {', '.join(supported_model_types())}.")
+                        f"supported families: {', '.join(supported_model_types())} "
+                        "(docs/adding-a-family.md says how to add one).")
     return _BY_MODEL_TYPE[model_type]
 
 
