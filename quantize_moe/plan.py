@@ -162,6 +162,10 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     _check_source_quantization(checkpoint.raw_config, options, where)
     source = SourceReader(checkpoint, dtype=torch.float32)
+    if source.spec == SCHEMES[options.scheme].moe_spec and source.scale_suffix == FORMATS[options.format].scale_suffix:
+        method = checkpoint.raw_config["quantization_config"].get("quant_method")
+        raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
+                        f"{options.scheme} --format {options.format} asks; pass the bf16 original as SRC.")
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where)
     mtp = set(family.mtp_layers(config))

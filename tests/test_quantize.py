@@ -1,4 +1,4 @@
-"""End-to-end checks of `quantize` on tiny checkpoints of every per-expert family."""
+"""End-to-end checks of `quantize` on tiny checkpoints of every family whose FP8 output an engine loads."""
 
 from __future__ import annotations
 
@@ -9,15 +9,33 @@ import torch
 from safetensors import safe_open
 
 from quantize_moe import fp8
+from transformers import AutoModelForCausalLM
+
 from quantize_moe.adapters import Kind, adapter_for
+from quantize_moe.adapters.fused import scale_name
 from quantize_moe.check import check_expert_weights
 from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.dequantize import dequantize_checkpoint
 from quantize_moe.plan import Options
 from quantize_moe.quantize import quantize_checkpoint
 from quantize_moe.tiny import TINY_CONFIGS
 
-FAMILIES = sorted(TINY_CONFIGS)
+FAMILIES = sorted(t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal)
 SMALL_SHARDS = Options(max_shard_size=60_000)
+
+
+def scale_of(name: str) -> str:
+    """The scale tensor of a quantized weight: `x.weight_scale`, or DBRX `mlp.w1_weight_scale`."""
+    return scale_name(name, "weight_scale")
+
+
+def per_expert_rows(tensor: torch.Tensor, scale: torch.Tensor, decision) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and its scale, broadcastable: fused tensors as `[E, -1]` with one scale per expert
+    (the shards of an expert share it)."""
+    if decision.role.fused is None:
+        return tensor, scale
+    experts = scale.shape[0]
+    return tensor.reshape(experts, -1), scale.reshape(experts, -1)[:, :1]
 
 
 def read_all(folder) -> dict[str, torch.Tensor]:
@@ -42,14 +60,18 @@ def quantized(tiny_checkpoint, tmp_path_factory):
 def test_every_tensor_has_the_right_dtype_and_shape(quantized, model_type):
     src, dst, summary = quantized[model_type]
     before, after = read_all(src), read_all(dst)
-    quantized_names = {n for n, d in summary.plan.decisions.items() if d.quantize}
-    expected = set(before) | {n.removesuffix(".weight") + ".weight_scale" for n in quantized_names}
+    decisions = summary.plan.decisions
+    quantized_names = {n for n, d in decisions.items() if d.quantize}
+    expected = set(before) | {scale_of(n) for n in quantized_names}
     assert set(after) == expected
     for name, tensor in before.items():
         if name in quantized_names:
             assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == tensor.shape
-            scale = after[name.removesuffix(".weight") + ".weight_scale"]
-            assert scale.dtype == torch.float32 and scale.shape == () and scale > 0
+            scale = after[scale_of(name)]
+            layout = decisions[name].role.fused
+            shape = () if layout is None else layout.scale_shape(summary.plan.moe_layer(decisions[name].role.layer)
+                                                                  .num_experts)
+            assert scale.dtype == torch.float32 and scale.shape == shape and (scale > 0).all()
         else:
             assert after[name].dtype == tensor.dtype
             assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
@@ -61,9 +83,10 @@ def test_dequantized_weights_are_within_fp8_rounding(quantized, model_type):
     before, after = read_all(src), read_all(dst)
     for name, decision in summary.plan.decisions.items():
         if decision.quantize:
-            scale = after[name.removesuffix(".weight") + ".weight_scale"]
-            error = (fp8.dequantize(after[name], scale) - before[name].float()).abs()
-            assert (error <= fp8.rounding_bound(before[name], scale)).all(), name
+            q, scale = per_expert_rows(after[name], after[scale_of(name)], decision)
+            original, _ = per_expert_rows(before[name], scale, decision)
+            error = (q.float() * scale - original.float()).abs()
+            assert (error <= fp8.rounding_bound(original, scale)).all(), name
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -77,24 +100,31 @@ def test_what_is_quantized_follows_the_roles(quantized, model_type):
     assert kinds[Kind.ROUTER] == {False}
     assert kinds[Kind.HIGH_PRECISION] == {False}
     kept = {n for n, d in summary.plan.decisions.items() if not d.quantize}
-    assert "lm_head.weight" in kept and "model.embed_tokens.weight" in kept
+    embedding = "transformer.wte.weight" if model_type == "dbrx" else "model.embed_tokens.weight"
+    assert "lm_head.weight" in kept and embedding in kept
     assert not any(n.endswith(("norm.weight", "e_score_correction_bias", "shared_expert_gate.weight"))
                    for n, d in summary.plan.decisions.items() if d.quantize)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_scales_are_shared_by_fused_siblings(quantized, model_type):
-    """Gate and up of every expert (and of dense/shared MLPs), and q/k/v, carry one scale."""
+    """Gate and up of every expert (and of dense/shared MLPs), and q/k/v, carry one scale; so do DBRX's
+    fused w1 and v1, and the gate and up halves of a fused gate/up tensor."""
     _, dst, _ = quantized[model_type]
     after = read_all(dst)
-    pairs = [("w1", "w3"), ("gate_proj", "up_proj"), ("q_proj", "k_proj"), ("q_proj", "v_proj")]
+    pairs = [(f".{a}.weight_scale", f".{b}.weight_scale") for a, b in
+             [("w1", "w3"), ("gate_proj", "up_proj"), ("q_proj", "k_proj"), ("q_proj", "v_proj")]]
+    pairs.append((".w1_weight_scale", ".v1_weight_scale"))
     checked = 0
     for name, scale in after.items():
         for a, b in pairs:
-            sibling = name.removesuffix(f".{a}.weight_scale") + f".{b}.weight_scale"
-            if name.endswith(f".{a}.weight_scale") and sibling in after:  # MLA has a lone q_proj
+            sibling = name.removesuffix(a) + b
+            if name.endswith(a) and sibling in after:  # MLA has a lone q_proj
                 assert torch.equal(scale, after[sibling]), name
                 checked += 1
+        if name.endswith("input_linear.weight_scale") and scale.dim() == 2:
+            assert torch.equal(scale[:, 0], scale[:, 1]), name
+            checked += 1
     assert checked > 0
 
 
@@ -109,7 +139,7 @@ def test_config_carries_what_vllm_parses(quantized, model_type):
     after = read_all(dst)
     kept_linears = {n.removesuffix(".weight") for n, t in after.items()
                     if n.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn
-                    and "embed" not in n}
+                    and "embed" not in n and not n.endswith(".wte.weight")}
     assert set(qc["ignored_layers"]) == kept_linears
     family = adapter_for(source_config)
     routers = {d.role.module for d in summary.plan.decisions.values()
@@ -173,3 +203,25 @@ def test_single_file_checkpoint(tiny_checkpoint, tmp_path):
     assert summary.plan.shard_names == ["model.safetensors"]
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert all(c.ok for c in check_expert_weights(src, tmp_path / "out"))
+
+
+def test_fused_expert_scales_have_the_shapes_vllm_loads(quantized):
+    """vLLM's DBRX loader takes `[E]` per tensor; its Granite loaders split `input_linear.weight_scale`
+    per expert into gate and up like the weight, so that one is `[E, 2]`."""
+    dbrx = Checkpoint(quantized["dbrx"][1]).tensors
+    for tensor in ("w1", "v1", "w2"):
+        assert dbrx[f"transformer.blocks.1.ffn.experts.mlp.{tensor}_weight_scale"].shape == (4,)
+    granite = Checkpoint(quantized["granitemoe"][1]).tensors
+    assert granite["model.layers.1.block_sparse_moe.input_linear.weight_scale"].shape == (4, 2)
+    assert granite["model.layers.1.block_sparse_moe.output_linear.weight_scale"].shape == (4,)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "granitemoehybrid", "dbrx", "qwen3_next", "jamba"])
+def test_dequantized_output_loads_in_transformers(quantized, model_type, tmp_path):
+    """Fused experts are written back under their own names and layout, hybrids keep their mixers:
+    transformers loads the bf16 copy of the output with no missing or unexpected tensor."""
+    _, dst, _ = quantized[model_type]
+    dequantize_checkpoint(dst, tmp_path / "bf16")
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
