@@ -142,6 +142,7 @@ QWEN3_NEXT = QwenMoEFamily(
     keep_linears=((r"mlp\.shared_expert_gate", "shared_expert_gate: a 1-row gate on the shared expert"),
                   *LINEAR_ATTENTION),
     num_experts_keys=("num_experts",),
+    renormalize="norm_topk_prob",
 )
 
 GLM4_MOE = DeepseekFamily(
@@ -161,6 +162,7 @@ OLMOE = PerExpertFamily(
     projections=LLAMA_PROJECTIONS,
     routers=(r"mlp\.gate",),
     num_experts_keys=("num_experts",),
+    renormalize="norm_topk_prob",
 )
 
 ERNIE4_5_MOE = ErnieFamily(
@@ -193,6 +195,7 @@ JAMBA = JambaFamily(
     routers=(r"feed_forward\.router",),
     keep_linears=MAMBA,
     num_experts_keys=("num_experts",),
+    renormalize=False,
 )
 
 # vLLM's GraniteMoe(Shared|Hybrid) loaders split `input_linear.weight_scale` like the weight:
