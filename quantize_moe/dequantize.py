@@ -53,26 +53,32 @@ class SourceReader:
     def output_dtype(self, name: str) -> torch.dtype:
         """FP8 weights that are not requantized are written in bf16."""
         dtype = self.checkpoint.tensors[name].dtype
-        return torch.bfloat16 if dtype == FP8_DTYPE else dtype
+        return torch.bfloat16 if dtype == FP8_DTYPE and self.quantized else dtype
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self.checkpoint.get(name)
-        if tensor.dtype != FP8_DTYPE:
+        if tensor.dtype != FP8_DTYPE or not self.quantized:
             return tensor
         role = self.family.role(name, tensor.dim())
         if role.kind == Kind.ROUTED_EXPERT and role.fused is not None:
             return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
-        scale = self.checkpoint.get(f"{name.removesuffix('.weight')}.{self.scale_suffix}").float()
+        scale = self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}")
         scale = expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
                                     self.spec, (1, *tensor.shape))[0]
         return (tensor.float() * scale).to(self.dtype)
 
     def _fused(self, name: str, q: torch.Tensor, layout: FusedLayout, num_experts: int) -> torch.Tensor:
         """Per-tensor scales `[E]` or `[E, shards]` of a tensor holding every expert."""
-        scales = self.checkpoint.get(scale_name(name, self.scale_suffix)).float().reshape(num_experts, -1)
+        scales = self._scale(name, scale_name(name, self.scale_suffix)).reshape(num_experts, -1)
         shards = {shard: w.float() * scales[:, i % scales.shape[1], None, None]
                   for i, (shard, w) in enumerate(layout.split(q, num_experts).items())}
         return layout.join(shards, q.shape)
+
+    def _scale(self, name: str, scale: str) -> torch.Tensor:
+        if scale not in self.checkpoint.tensors:
+            raise UserError(f"Tensor '{name}' is FP8 but its scale '{scale}' is missing from "
+                            f"'{self.checkpoint.folder}'; re-download the checkpoint.")
+        return self.checkpoint.get(scale).float()
 
     def close(self) -> None:
         self.checkpoint.close()

@@ -162,10 +162,6 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     _check_source_quantization(checkpoint.raw_config, options, where)
     source = SourceReader(checkpoint, dtype=torch.float32)
-    if source.spec == SCHEMES[options.scheme].moe_spec and source.scale_suffix == FORMATS[options.format].scale_suffix:
-        method = checkpoint.raw_config["quantization_config"].get("quant_method")
-        raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
-                        f"{options.scheme} --format {options.format} asks; pass the bf16 original as SRC.")
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where)
     mtp = set(family.mtp_layers(config))
@@ -197,8 +193,8 @@ def _check_source_quantization(raw: dict, options: Options, where: str) -> None:
                         "cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
     if spec == SCHEMES[options.scheme].moe_spec and scale_suffix == FORMATS[options.format].scale_suffix:
         raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
-                        f"{options.scheme} --format {options.format} asks; point SRC at the bf16/fp16/fp32 "
-                        "original.")
+                        f"{options.scheme} --format {options.format} asks, so there is nothing to do; point SRC "
+                        "at the bf16/fp16/fp32 original, or run `quantize-moe dequantize` on it first.")
 
 
 def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: bool = False) -> Decision:
