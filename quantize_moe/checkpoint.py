@@ -30,7 +30,7 @@ PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
 
 # safetensors dtype strings as reported by get_slice().get_dtype()
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -194,12 +194,22 @@ class Checkpoint:
         info = self.tensors[name]
         handle = self._handles.get(info.file)
         if handle is None:
-            handle = safe_open(self.folder / info.file, framework="pt")
+            handle = safe_open(self.shard_path(info.file), framework="pt")
             self._handles[info.file] = handle
         return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
 
+    def shard_path(self, file: str) -> Path:
+        """Where the bytes of shard `file` are read from."""
+        return self.folder / file
+
     def close(self) -> None:
         self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -209,7 +219,7 @@ def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, .
             found = {}
             for name in f.keys():
                 sl = f.get_slice(name)
-                dtype = _DTYPES.get(sl.get_dtype())
+                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
                 if dtype is None:
                     raise UserError(f"Tensor '{name}' in '{path}' has dtype {sl.get_dtype()}, which "
                                     "quantize-moe does not read; convert it to bf16, fp16 or fp32.")

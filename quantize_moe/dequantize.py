@@ -62,10 +62,14 @@ class SourceReader:
         role = self.family.role(name, tensor.dim())
         if role.kind == Kind.ROUTED_EXPERT and role.fused is not None:
             return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
+        return (tensor.float() * self.weight_scale(name)).to(self.dtype)
+
+    def weight_scale(self, name: str) -> torch.Tensor:
+        """The float32 scale of the (unfused) FP8 weight `name`, broadcastable to it whatever the scheme."""
         scale = self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}")
-        scale = expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
-                                    self.spec, (1, *tensor.shape))[0]
-        return (tensor.float() * scale).to(self.dtype)
+        shape = self.checkpoint.tensors[name].shape
+        return expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
+                                   self.spec, (1, *shape))[0]
 
     def _fused(self, name: str, q: torch.Tensor, layout: FusedLayout, num_experts: int) -> torch.Tensor:
         """Per-tensor scales `[E]` or `[E, shards]` of a tensor holding every expert."""

@@ -1,0 +1,56 @@
+"""What a produced checkpoint holds: every weight's role, whether it is FP8, and its scale.
+
+Read from the output alone (headers and config), so the model card and `verify`
+describe what is on disk, not what the run meant to write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from quantize_moe.adapters import PerExpertFamily, TensorRole, adapter_for, parse_config
+from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.dequantize import is_scale
+from quantize_moe.formats import read_quantization
+from quantize_moe.fp8 import FP8_DTYPE
+from quantize_moe.moe.quant_spec import MoEQuantSpec
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    info: TensorInfo
+    role: TensorRole
+
+    @property
+    def quantized(self) -> bool:
+        return self.info.dtype == FP8_DTYPE
+
+
+@dataclass
+class Inventory:
+    checkpoint: Checkpoint
+    family: PerExpertFamily
+    config: PretrainedConfig
+    spec: MoEQuantSpec
+    scale_suffix: str | None  # None when the config declares no quantization
+    tensors: dict[str, StoredTensor]  # everything but scales
+    scales: dict[str, TensorInfo]
+
+    def scale_of(self, name: str) -> TensorInfo | None:
+        return self.scales.get(f"{name.removesuffix('.weight')}.{self.scale_suffix}")
+
+
+def take_inventory(checkpoint: Checkpoint) -> Inventory:
+    where = f"'{checkpoint.folder / CONFIG_NAME}'"
+    family = adapter_for(checkpoint.raw_config, where)
+    config = parse_config(checkpoint.raw_config, family, where)
+    spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
+    tensors, scales = {}, {}
+    for name, info in checkpoint.tensors.items():
+        if is_scale(name):
+            scales[name] = info
+        else:
+            tensors[name] = StoredTensor(info, family.role(name, len(info.shape)))
+    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales)

@@ -1,0 +1,316 @@
+"""`quantize-moe verify`: what CI should know about an FP8 checkpoint before it ships.
+
+Every check reads headers, config and scales only, except the numeric check
+against SRC, which walks both checkpoints one layer or tensor at a time. A check
+yields one finding: passed (with a summary), or warned / failed with the count
+and the first offending tensors or files.
+
+Exit codes: 0 every check passed (warnings allowed); 1 DST or SRC could not be
+read at all; 2 the command line was wrong; 3 at least one check failed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize_moe import fp8
+from quantize_moe.adapters import Kind
+from quantize_moe.check import check_expert_weights
+from quantize_moe.checkpoint import INDEX_NAME, Checkpoint, inside
+from quantize_moe.dequantize import weight_scale
+from quantize_moe.errors import UserError
+from quantize_moe.integrity import MANIFEST_NAME, expected_shard_size, read_manifest, sha256_file
+from quantize_moe.inventory import Inventory, take_inventory
+from quantize_moe.output import PARTIAL_SUFFIX
+from quantize_moe.plan import FUSED_SIBLINGS
+
+EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert", "ignore")
+EXAMPLES = 5
+FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: str  # pass | warn | fail | skip
+    message: str
+    examples: tuple[str, ...] = ()
+
+
+@dataclass
+class VerifyReport:
+    checkpoint: str
+    against: str | None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(f.status != "fail" for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.ok else EXIT_FAILED
+
+    def to_json(self) -> str:
+        return json.dumps({"ok": self.ok, "exit_code": self.exit_code, **asdict(self)}, indent=2)
+
+
+def _finding(check: str, problems: list[str], passed: str, failed: str, status: str = "fail") -> Finding:
+    if not problems:
+        return Finding(check, "pass", passed)
+    return Finding(check, status, f"{len(problems)} {failed}", tuple(problems[:EXAMPLES]))
+
+
+# -- structure --------------------------------------------------------------------------------------
+def _scale_shape_ok(inventory: Inventory, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> bool:
+    spec = inventory.spec
+    numel = math.prod(scale_shape)
+    if spec.weight == "tensor":
+        return numel == 1
+    if spec.weight == "channel":
+        return numel == weight_shape[0] and scale_shape[0] == weight_shape[0]
+    bn, bk = spec.block_shape
+    return scale_shape == (math.ceil(weight_shape[0] / bn), math.ceil(weight_shape[1] / bk))
+
+
+def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkpoint | None) -> Finding:
+    """Index, shards and tensors agree; every FP8 weight has a scale of the declared dtype and shape;
+    nothing is left over; with SRC, every source tensor is there with its shape."""
+    folder, problems = checkpoint.folder, []
+    index = folder / INDEX_NAME
+    if index.is_file():
+        index_data = json.loads(index.read_text())
+        listed = index_data["weight_map"]
+        problems += [f"tensor '{n}' is in '{i.file}' but not in the index" for n, i in checkpoint.tensors.items()
+                     if n not in listed]
+        declared = (index_data.get("metadata") or {}).get("total_size")
+        actual = sum(i.nbytes for i in checkpoint.tensors.values())
+        if declared is not None and declared != actual:
+            problems.append(f"the index declares total_size {declared}, the tensors hold {actual} bytes")
+    problems += [f"'{p.name}' is not part of the checkpoint" for p in sorted(folder.glob("*.safetensors"))
+                 if p.name not in checkpoint.shard_files]
+    problems += [f"'{p.relative_to(folder)}' is a half-written file" for p in sorted(folder.rglob(f"*{PARTIAL_SUFFIX}"))]
+
+    weights_with_scales = set()
+    for name, stored in inventory.tensors.items():
+        if not stored.quantized:
+            continue
+        scale = inventory.scale_of(name)
+        if scale is None:
+            problems.append(f"FP8 weight '{name}' has no '{inventory.scale_suffix}'")
+            continue
+        weights_with_scales.add(scale.name)
+        if scale.dtype not in FLOAT_SCALE_DTYPES:
+            problems.append(f"scale '{scale.name}' is {scale.dtype}, not a float")
+        if not _scale_shape_ok(inventory, stored.info.shape, scale.shape):
+            problems.append(f"scale '{scale.name}' has shape {scale.shape}, which does not fit "
+                            f"{inventory.spec.weight} scales of a {stored.info.shape} weight")
+    problems += [f"scale '{n}' belongs to no FP8 weight" for n in inventory.scales
+                 if n not in weights_with_scales and not n.endswith("input_scale")]
+
+    if source is not None:
+        for name, info in source.tensors.items():
+            stored = inventory.tensors.get(name)
+            if stored is None:
+                problems.append(f"source tensor '{name}' is missing")
+            elif stored.info.shape != info.shape:
+                problems.append(f"'{name}' has shape {stored.info.shape}, the source {info.shape}")
+            elif stored.info.dtype not in (info.dtype, fp8.FP8_DTYPE):
+                problems.append(f"'{name}' is {stored.info.dtype}, the source {info.dtype}")
+        problems += [f"'{n}' is not in the source" for n in inventory.tensors if n not in source.tensors]
+    summary = (f"{len(checkpoint.tensors)} tensors in {len(checkpoint.shard_files)} shard(s); index, scales "
+               f"and {'source ' if source else ''}shapes consistent")
+    return _finding("structure", problems, summary, "structural problem(s)")
+
+
+# -- metadata ---------------------------------------------------------------------------------------
+def _ignore_matcher(quantization_config: dict):
+    """Exact module names, or `re:` patterns matched from the start (compressed-tensors)."""
+    entries = [e for key in IGNORE_KEYS for e in quantization_config.get(key) or []]
+    exact = {e for e in entries if not e.startswith("re:")}
+    patterns = [re.compile(e[3:]) for e in entries if e.startswith("re:")]
+    return entries, lambda module: module in exact or any(p.match(module) for p in patterns)
+
+
+def check_metadata(inventory: Inventory) -> Finding:
+    """quantization_config agrees with the tensors: FP8 modules are not ignored, every Linear left in
+    high precision is (engines would otherwise expect FP8 there), static activations have input scales."""
+    qc = inventory.checkpoint.raw_config.get("quantization_config")
+    if qc is None:
+        return Finding("metadata", "fail", "config.json has no quantization_config; engines will load the "
+                       "checkpoint as unquantized")
+    entries, ignored = _ignore_matcher(qc)
+    problems = []
+    modules = set()
+    for name, stored in inventory.tensors.items():
+        if not stored.role.is_linear_weight:
+            continue
+        module = stored.role.module
+        modules.add(module)
+        if stored.quantized and ignored(module):
+            problems.append(f"'{module}' is FP8 but listed as ignored")
+        if not stored.quantized and not ignored(module):
+            problems.append(f"'{module}' stays {stored.info.dtype} but is not listed as ignored")
+        if stored.quantized and qc.get("activation_scheme") == "static" and \
+                f"{module}.input_scale" not in inventory.scales:
+            problems.append(f"'{module}' has no input_scale, but activation_scheme is static")
+    problems += [f"ignore entry '{e}' names no module" for e in entries
+                 if not e.startswith("re:") and e not in modules]
+    summary = f"{qc.get('quant_method')} config; its {len(entries)} ignore entries are exactly the kept Linears"
+    return _finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
+
+
+# -- scales -----------------------------------------------------------------------------------------
+def check_scales(inventory: Inventory) -> Finding:
+    problems = []
+    for name in inventory.scales:
+        scale = inventory.checkpoint.get(name).float()
+        if not torch.isfinite(scale).all():
+            problems.append(f"'{name}' holds NaN or Inf")
+        elif (scale <= 0).any():
+            problems.append(f"'{name}' holds a zero or negative scale")
+    return _finding("scales", problems, f"{len(inventory.scales)} scale tensors finite and positive",
+                    "scale tensor(s) not finite and positive")
+
+
+def check_shared_scales(inventory: Inventory) -> Finding:
+    """Per-tensor scales of modules that engines fuse (gate/up, q/k/v) must be one value, or vLLM
+    requantizes them at load (a second rounding)."""
+    if inventory.spec.weight != "tensor":
+        return Finding("shared scales", "skip", f"{inventory.spec.weight} scales: nothing is shared")
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name, stored in inventory.tensors.items():
+        parent, _, leaf = stored.role.module.rpartition(".")
+        siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
+        if stored.quantized and siblings is not None:
+            groups[(parent, siblings)].append(name)
+    problems = []
+    for (parent, _), names in groups.items():
+        values = {inventory.checkpoint.get(inventory.scale_of(n).name).float().item()
+                  for n in names if inventory.scale_of(n) is not None}
+        if len(values) > 1:
+            problems.append(f"'{parent}': {', '.join(sorted(n.rsplit('.', 2)[-2] for n in names))} have "
+                            "different scales")
+    return _finding("shared scales", problems, f"{len(groups)} fused groups share one scale each",
+                    "fused group(s) with different scales (vLLM requantizes them at load)")
+
+
+# -- coverage ---------------------------------------------------------------------------------------
+def check_coverage(inventory: Inventory) -> Finding:
+    """Every expert of every MoE layer is FP8; nothing that must stay high precision is."""
+    experts = {(s.role.layer, s.role.expert, s.role.shard_id): s for s in inventory.tensors.values()
+               if s.role.kind == Kind.ROUTED_EXPERT}
+    problems, total = [], 0
+    for layer in inventory.family.moe_layers(inventory.config):
+        for expert in range(layer.num_experts):
+            for shard_id in ("w1", "w3", "w2"):
+                total += 1
+                stored = experts.get((layer.layer, expert, shard_id))
+                if stored is None:
+                    problems.append(f"layer {layer.layer} expert {expert} {shard_id} is missing")
+                elif not stored.quantized:
+                    problems.append(f"'{stored.info.name}' is {stored.info.dtype}, not FP8")
+    problems += [f"'{name}' is FP8 but must stay high precision ({s.role.reason})"
+                 for name, s in inventory.tensors.items()
+                 if s.quantized and s.role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION)]
+    return _finding("coverage", problems, f"all {total} routed expert projections FP8; routers, embeddings, "
+                    "norms and lm_head kept", "coverage problem(s)")
+
+
+# -- integrity --------------------------------------------------------------------------------------
+def check_integrity(checkpoint: Checkpoint) -> Finding:
+    """Sizes and sha256 from the manifest when the output has one, else each shard's size against its
+    safetensors header (catches truncated or padded files, not flipped bytes)."""
+    folder = checkpoint.folder
+    try:
+        manifest = read_manifest(folder)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return Finding("integrity", "fail", f"'{MANIFEST_NAME}' is not a readable manifest")
+    problems = []
+    if manifest is None:
+        for file in checkpoint.shard_files:
+            path = folder / file
+            want = expected_shard_size(path, [i for i in checkpoint.tensors.values() if i.file == file])
+            if path.stat().st_size != want:
+                problems.append(f"'{file}' is {path.stat().st_size} bytes, its header implies {want}")
+        return _finding("integrity", problems, f"no {MANIFEST_NAME}: {len(checkpoint.shard_files)} shard sizes "
+                        "match their headers (hashes not checked)", "shard(s) of the wrong size")
+    for relative, record in manifest.items():
+        path = inside(folder, relative, f"'{MANIFEST_NAME}'")
+        if not path.is_file():
+            problems.append(f"'{relative}' is missing")
+        elif path.stat().st_size != record["size"]:
+            problems.append(f"'{relative}' is {path.stat().st_size} bytes, the manifest says {record['size']}")
+        elif sha256_file(path) != record["sha256"]:
+            problems.append(f"'{relative}' does not match its sha256 in the manifest")
+    problems += [f"shard '{f}' is not in the manifest" for f in checkpoint.shard_files if f not in manifest]
+    return _finding("integrity", problems, f"{len(manifest)} files match the sizes and sha256 of {MANIFEST_NAME}",
+                    "file(s) differ from the manifest")
+
+
+# -- numerics ---------------------------------------------------------------------------------------
+def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
+    """Routed experts through the stacked FusedMoE view; every other FP8 weight dequantized within FP8
+    rounding of the source; every kept tensor bit-identical to the source."""
+    layers = check_expert_weights(source.folder, inventory.checkpoint.folder)
+    experts = _finding("numerics: experts",
+                       [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"
+                        for c in layers if not c.ok],
+                       f"{len(layers)} MoE layers within FP8 rounding (worst "
+                       f"{max((c.worst_bound_ratio for c in layers), default=0):.2f} of the bound)",
+                       "MoE layer(s) outside FP8 rounding of the source")
+    problems, compared = [], 0
+    for name, stored in inventory.tensors.items():
+        if stored.role.kind == Kind.ROUTED_EXPERT or name not in source.tensors:
+            continue
+        original, compared = source.get(name), compared + 1
+        if not stored.quantized:
+            if not torch.equal(original, inventory.checkpoint.get(name)):
+                problems.append(f"kept tensor '{name}' differs from the source")
+            continue
+        scale = weight_scale(inventory.checkpoint, name, inventory.spec, inventory.scale_suffix)
+        error = (inventory.checkpoint.get(name).float() * scale - original.float()).abs()
+        ratio = (error / fp8.rounding_bound(original, scale)).max().item()
+        if ratio > 1.0:
+            problems.append(f"'{name}': worst error {ratio:.2f}x the FP8 rounding bound")
+    others = _finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "
+                      "ones bit for bit, FP8 ones within rounding)", "tensor(s) differ from the source")
+    return [experts, others]
+
+
+def verify(folder: str | Path, source: Checkpoint | None = None) -> VerifyReport:
+    """Run every check on the checkpoint in `folder`; `source` adds the checks against SRC."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"DST '{folder}' does not exist or is not a folder; point verify at a quantized "
+                        "checkpoint folder.")
+    report = VerifyReport(str(folder), str(source.folder) if source else None)
+    try:
+        checkpoint = Checkpoint(folder)
+    except UserError as e:
+        report.findings.append(Finding("structure", "fail", str(e)))
+        return report
+    try:
+        inventory = take_inventory(checkpoint)
+    except UserError as e:
+        report.findings.append(Finding("metadata", "fail", str(e)))
+        return report
+    report.findings += [check_structure(checkpoint, inventory, source), check_metadata(inventory),
+                        check_scales(inventory), check_shared_scales(inventory), check_coverage(inventory),
+                        check_integrity(checkpoint)]
+    if source is None:
+        report.findings.append(Finding("numerics", "skip", "pass --against SRC to compare with the source"))
+    elif report.ok:
+        report.findings += check_numerics(inventory, source)
+    else:
+        report.findings.append(Finding("numerics", "skip", "skipped: fix the failures above first"))
+    checkpoint.close()
+    return report
