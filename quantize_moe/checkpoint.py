@@ -202,6 +202,9 @@ class Checkpoint:
         """Where the bytes of shard `file` are read from."""
         return self.folder / file
 
+    def shard_size(self, file: str) -> int:
+        return self.shard_path(file).stat().st_size
+
     def close(self) -> None:
         self._handles.clear()
 

@@ -16,8 +16,7 @@ from quantize_moe.check import check_expert_weights
 from quantize_moe.console import console, count_progress, stdout
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Options, make_plan
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.report import decisions_table, overview_table, run_table, validation_table
+from quantize_moe.report import decisions_table, overview_table, run_table, validation_table, verify_table
 from quantize_moe.validate import Thresholds
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
@@ -57,12 +56,14 @@ AllowPickle = Annotated[bool, typer.Option(
     "--allow-pickle", help="Read a checkpoint that has only pickle weights (.bin), weights-only: pickle "
                            "objects that would run code are refused.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace the checkpoint in a non-empty DST.")]
+Private = Annotated[bool, typer.Option(help="Create the Hub repo as private (when it does not exist yet).")]
+STREAM_SCRATCH = ".quantize-moe-download"  # hidden in DST: never copied, uploaded or taken for output
 
 
 @app.command()
 @user_errors
 def quantize(
-    src: Annotated[Path, typer.Argument(help="Checkpoint folder (safetensors) to quantize.")],
+    src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors), or Hub repo id org/name[@revision].")],
     dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",
@@ -72,30 +73,85 @@ def quantize(
              "match their hashes) are kept, the rest is written again.")] = False,
     allow_pickle: AllowPickle = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    stream: Annotated[bool, typer.Option(help="Hub SRC: download, quantize and delete shards one by one "
+                                              "instead of caching the whole model.")] = False,
+    push_to_hub: Annotated[str | None, typer.Option(help="Then upload DST to this Hub repo (org/name).")] = None,
+    private: Private = False,
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
-    a manifest of every file's size and sha256, and every other file of SRC unchanged."""
+    a manifest of every file's size and sha256, a model card, and every other file of SRC unchanged."""
+    from quantize_moe.hub import open_source
+    from quantize_moe.model_card import record_run, write_card
     from quantize_moe.quantize import quantize_checkpoint
 
     options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size))
-    summary = quantize_checkpoint(src, dst, options, overwrite=overwrite, resume=resume,
-                                  allow_pickle=allow_pickle, show_progress=progress)
+    with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
+        summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
+                                      show_progress=progress)
+        record_run(dst, checkpoint, src, options)
+    write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan))
     stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
     stdout.print(f"[green]wrote[/] {dst}")
+    if push_to_hub:
+        _upload(dst, push_to_hub, private)
+
+
+@app.command()
+@user_errors
+def upload(
+    dst: Annotated[Path, typer.Argument(help="Folder written by `quantize-moe quantize`.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub model repo to upload to (org/name); created if missing.")],
+    private: Private = False,
+) -> None:
+    """Upload DST to the Hub with a generated model card; re-run to resume an interrupted upload.
+    Uses HF_TOKEN or the token of `hf auth login`."""
+    _upload(dst, repo_id, private)
+
+
+def _upload(dst: Path, repo_id: str, private: bool) -> None:
+    from quantize_moe.publish import upload as upload_folder
+
+    stdout.print(f"[green]uploaded[/] {upload_folder(dst, repo_id, private=private)}")
+
+
+@app.command()
+@user_errors
+def verify(
+    dst: Annotated[Path, typer.Argument(help="Quantized checkpoint folder to check.")],
+    against: Annotated[str | None, typer.Option(help="Source checkpoint (folder or Hub repo id): also check "
+                                                     "shapes and numerics against it.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+) -> None:
+    """Check DST for CI: structure, metadata, scales, shared gate/up scales, coverage, integrity and,
+    with --against, numerics. Exit codes: 0 passed, 1 DST or SRC unreadable, 2 bad usage,
+    3 a check failed."""
+    from quantize_moe.hub import open_source
+    from quantize_moe.verify import verify as verify_checkpoint
+
+    source = open_source(against) if against else None
+    report = verify_checkpoint(dst, source)
+    if json_output:
+        print(report.to_json())
+    else:
+        stdout.print(verify_table(report))
+        stdout.print("[green]all checks passed[/]" if report.ok else "[red]verification failed[/]")
+    raise typer.Exit(report.exit_code)
 
 
 @app.command()
 @user_errors
 def inspect(
-    src: Annotated[Path, typer.Argument(help="Checkpoint folder to describe.")],
+    src: Annotated[str, typer.Argument(help="Checkpoint folder, or Hub repo id org/name[@revision].")],
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",
     allow_pickle: AllowPickle = False,
 ) -> None:
     """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, and sizes.
-    Reads metadata only."""
-    plan = make_plan(Checkpoint(src, allow_pickle=allow_pickle),
+    Reads metadata only (from the Hub: small files and shard headers, no shards)."""
+    from quantize_moe.hub import open_source
+
+    plan = make_plan(open_source(src, stream=True, allow_pickle=allow_pickle),
                      Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size)))
     stdout.print(overview_table(plan))
     stdout.print(decisions_table(plan))

@@ -19,7 +19,7 @@ from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, NotASafetensorsRepoError,
                                     OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
-from quantize_moe.checkpoint import SAFETENSORS_DTYPES, Checkpoint, TensorInfo
+from quantize_moe.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, Checkpoint, TensorInfo
 from quantize_moe.errors import UserError
 
 SMALL_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.md", "LICENSE*", "*.py"]
@@ -63,8 +63,8 @@ def hub_errors(source: HubSource):
         raise UserError(f"'{source.repo_id}' has no revision '{source.revision}'; name an existing branch, "
                         "tag or commit after the '@'.") from None
     except RepositoryNotFoundError:
-        raise UserError(f"'{source}' is neither a local folder nor a Hub repo you can read; check the path or "
-                        "repo id, and set HF_TOKEN for a private repo.") from None
+        raise UserError(f"'{source}' is not a Hub repo you can access (nor a local folder); check the repo id "
+                        "or path, and set HF_TOKEN for a private repo.") from None
     except NotASafetensorsRepoError:
         raise UserError(f"'{source}' has no model.safetensors or model.safetensors.index.json; quantize-moe "
                         "reads safetensors checkpoints only.") from None
@@ -90,14 +90,24 @@ class StreamedCheckpoint(Checkpoint):
     in the cache are read there and left alone.
     """
 
-    def __init__(self, snapshot: Path, source: HubSource, commit: str, tensors: dict[str, TensorInfo],
-                 scratch: Path):
-        super().__init__(snapshot, tensors)
-        self.source, self.commit, self.scratch = source, commit, scratch
-        self._unread = Counter(info.file for info in tensors.values())
+    def __init__(self, snapshot: Path, source: HubSource, commit: str, headers: dict[str, TensorInfo],
+                 sizes: dict[str, int], scratch: Path):
+        self.source, self.commit, self.scratch, self._headers, self._sizes = source, commit, scratch, headers, sizes
+        super().__init__(snapshot)
+        self._unread = Counter(info.file for info in headers.values())
         self._paths: dict[str, Path] = {}
         self._downloaded: set[str] = set()  # on disk in scratch, not yet deleted
         self.peak_shards_on_disk = 0
+
+    def _shard_map(self, allow_pickle: bool) -> tuple[str | None, dict[str, list[str]]]:
+        """The shards are on the Hub, not in the snapshot: only the index's name is local."""
+        return (INDEX_NAME if (self.folder / INDEX_NAME).is_file() else None), {}
+
+    def _read_headers(self, shards: dict[str, list[str]]) -> dict[str, TensorInfo]:
+        return self._headers
+
+    def shard_size(self, file: str) -> int:
+        return self._sizes[file]
 
     @classmethod
     def open(cls, source: HubSource, scratch: Path) -> StreamedCheckpoint:
@@ -107,6 +117,8 @@ class StreamedCheckpoint(Checkpoint):
             pinned = HubSource(source.repo_id, commit)  # one commit throughout, even if the branch moves
             snapshot = download(pinned, weights=False)
             metadata = api.get_safetensors_metadata(source.repo_id, revision=commit)
+            sizes = {f.path: f.size for f in api.get_paths_info(source.repo_id, sorted(metadata.files_metadata),
+                                                                revision=commit)}
         tensors = {}
         for name, file in metadata.weight_map.items():
             header = metadata.files_metadata[file].tensors.get(name)
@@ -118,7 +130,7 @@ class StreamedCheckpoint(Checkpoint):
                 raise UserError(f"Tensor '{name}' in '{file}' of '{source}' has dtype {header.dtype}, which "
                                 "quantize-moe does not read.")
             tensors[name] = TensorInfo(name, file, dtype, tuple(header.shape))
-        return cls(snapshot, source, commit, tensors, scratch)
+        return cls(snapshot, source, commit, tensors, sizes, scratch)
 
     def shard_path(self, file: str) -> Path:
         if file not in self._paths:
@@ -153,12 +165,14 @@ class StreamedCheckpoint(Checkpoint):
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def open_source(text: str, *, stream: bool = False, scratch: Path | None = None) -> Checkpoint:
+def open_source(text: str, *, stream: bool = False, scratch: Path | None = None,
+                allow_pickle: bool = False) -> Checkpoint:
     """SRC as a Checkpoint: a local folder, a Hub repo in the cache, or a Hub repo streamed into `scratch`.
-    Offline, streaming has nothing to download, so the cached snapshot is read in place."""
+    Offline, streaming has nothing to download, so the cached snapshot is read in place. Pickle weights
+    are never downloaded: `allow_pickle` concerns local folders only."""
     source = parse_source(text)
     if isinstance(source, Path):
-        return Checkpoint(source)
+        return Checkpoint(source, allow_pickle=allow_pickle)
     if stream and not constants.is_offline_mode():
         return StreamedCheckpoint.open(source, scratch)
     return Checkpoint(download(source))

@@ -51,7 +51,7 @@ def run_fingerprint(plan: Plan) -> str:
         "config": checkpoint.raw_config,
         "options": asdict(plan.options),
         "tensors": [(t.name, t.file, str(t.dtype), list(t.shape)) for t in checkpoint.tensors.values()],
-        "files": {f: (checkpoint.folder / f).stat().st_size for f in checkpoint.shard_files},
+        "files": {f: checkpoint.shard_size(f) for f in checkpoint.shard_files},
         "shards": {name: [o.name for item in items for o in item.outputs]
                    for name, items in zip(plan.shard_names, plan.shards)},
     }

@@ -90,8 +90,12 @@ def write_shard(path: Path, tensors: dict) -> None:
     _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
+def write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def write_json(path: Path, data: dict) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n"))
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def extra_files(checkpoint: Checkpoint) -> list[str]:

@@ -69,12 +69,13 @@ def output_bytes(plan: Plan, extras: list[str]) -> int:
     return plan.bytes_after + metadata + config + copies
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, options: Options = Options(), *,
+def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: Options = Options(), *,
                         overwrite: bool = False, resume: bool = False, allow_pickle: bool = False,
                         show_progress: bool = True) -> RunSummary:
+    """SRC is a folder or an opened Checkpoint (e.g. one streamed from the Hub)."""
     start = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    checkpoint = Checkpoint(src, allow_pickle=allow_pickle)
+    checkpoint = src if isinstance(src, Checkpoint) else Checkpoint(src, allow_pickle=allow_pickle)
+    src, dst = checkpoint.folder, Path(dst)
     plan = make_plan(checkpoint, options)
     plan.check_loadable()
     extras = extra_files(checkpoint)

@@ -111,3 +111,17 @@ def validation_table(report: ValidationReport) -> Table:
     table.caption = (f"fail above rel. error {t.max_relative_error}, below cosine {t.min_cosine}, or path vs "
                      f"reference above {t.max_kernel_error}")
     return table
+
+
+VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def verify_table(report) -> Table:
+    """One row per check of `quantize-moe verify`, with the first offending tensors or files."""
+    table = Table(title=f"verify {report.checkpoint}" + (f" against {report.against}" if report.against else ""))
+    for column in ("check", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    for f in report.findings:
+        detail = "\n".join([f.message, *(f"  {e}" for e in f.examples)])
+        table.add_row(f.check, f"[{VERDICT_STYLE[f.status]}]{f.status}[/]", detail)
+    return table

@@ -1,0 +1,179 @@
+"""The model card (README.md) of a produced checkpoint, and the run record it is built from.
+
+`quantize` writes `quantize_moe_run.json` (source, revision, options, the source card's
+license and language) and a card; `upload` rebuilds the card from the output as it is
+then, so a `validation.json` written later by `validate --json` lands in its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from collections import Counter
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from quantize_moe import __version__
+from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.console import human_bytes
+from quantize_moe.errors import UserError
+from quantize_moe.hub import HubSource
+from quantize_moe.inventory import Inventory, take_inventory
+from quantize_moe.output import write_json, write_text
+from quantize_moe.plan import Options
+
+RUN_RECORD = "quantize_moe_run.json"
+VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate --json > DST/validation.json`
+CARD_NAME = "README.md"
+CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
+
+# (quant_method, weight scales, scale suffix) -> engines that load the routed experts (reference §5)
+ENGINES = {
+    ("fp8", "tensor", "weight_scale"): ("vLLM", "SGLang"),
+    ("fp8", "block", "weight_scale_inv"): ("vLLM", "SGLang", "transformers"),
+    ("compressed-tensors", "tensor", "weight_scale"): ("vLLM", "SGLang", "transformers"),
+    ("compressed-tensors", "channel", "weight_scale"): ("vLLM", "SGLang", "transformers"),
+    ("compressed-tensors", "block", "weight_scale"): ("vLLM",),
+}
+SERVING = {
+    "vLLM": "vllm serve {repo}",
+    "SGLang": "python -m sglang.launch_server --model-path {repo}",
+    "transformers": "AutoModelForCausalLM.from_pretrained(\"{repo}\")",
+}
+
+
+def _hub_origin(folder: Path) -> HubSource | None:
+    """The repo and commit of a snapshot folder of huggingface_hub's cache (models--org--name/snapshots/sha)."""
+    folder = folder.resolve()
+    repo_folder = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo_folder.startswith("models--"):
+        return None
+    return HubSource(repo_folder.removeprefix("models--").replace("--", "/"), folder.name)
+
+
+def reproduce_command(source: str, dst: Path, options: Options) -> str:
+    """The command line that makes this output again: every option that differs from its default."""
+    args = ["quantize-moe", "quantize", source, dst.name]
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return shlex.join(args)
+
+
+def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Options) -> None:
+    """Write what the card needs to know about the source: where it came from and what its card said."""
+    origin = _hub_origin(checkpoint.folder)  # Hub sources are read from (or through) a cache snapshot
+    source_card = checkpoint.folder / CARD_NAME
+    metadata = ModelCard.load(source_card).data.to_dict() if source_card.is_file() else {}
+    write_json(dst / RUN_RECORD, {
+        "tool": f"quantize-moe {__version__}",
+        "base_model": origin.repo_id if origin else None,
+        "base_revision": origin.revision if origin else None,
+        "options": dataclasses.asdict(options),
+        "command": reproduce_command(origin.repo_id if origin else Path(src_text).name, dst, options),
+        "source_card": {k: metadata[k] for k in CARRIED_OVER if metadata.get(k)},
+    })
+
+
+def _markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _contents_table(inventory: Inventory) -> str:
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    for stored in inventory.tensors.values():
+        key = (stored.role.kind.value, "FP8" if stored.quantized else str(stored.info.dtype).removeprefix("torch."),
+               stored.role.reason or ("-" if stored.quantized else "kept by option"))
+        counts[key] += 1
+        sizes[key] += stored.info.nbytes
+    rows = [[*key[:2], counts[key], human_bytes(sizes[key]), key[2]] for key in sorted(counts, key=lambda k: -sizes[k])]
+    return _markdown_table(["tensors", "stored as", "count", "size", "why kept"], rows)
+
+
+def _validation_section(dst: Path) -> str:
+    """`validation.json` as a table: a list of row objects (or such a list under "layers"), one column per key."""
+    path = dst / VALIDATION_REPORT
+    if not path.is_file():
+        return ""
+    try:
+        data = json.loads(path.read_text())
+        rows = data["layers"] if isinstance(data, dict) else data
+        header = list(dict.fromkeys(k for row in rows for k in row))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise UserError(f"'{path}' is not a validation report (a list of row objects, or one under 'layers'); "
+                        "write it with `quantize-moe validate --json`.") from None
+    table = _markdown_table(header, [[row.get(k, "") for k in header] for row in rows])
+    return f"\n## Validation\n\nFrom `quantize-moe validate` ({VALIDATION_REPORT}):\n\n{table}\n"
+
+
+def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
+    """The card of the checkpoint in `dst`, to be published as `repo_id`."""
+    record_path = dst / RUN_RECORD
+    if not record_path.is_file():
+        raise UserError(f"'{record_path}' is missing; DST must be a folder written by `quantize-moe quantize`.")
+    record = json.loads(record_path.read_text())
+    checkpoint = Checkpoint(dst)
+    inventory = take_inventory(checkpoint)
+    qc = checkpoint.raw_config.get("quantization_config", {})
+    engines = ENGINES.get((qc.get("quant_method"), inventory.spec.weight, inventory.scale_suffix), ())
+    repo = repo_id or dst.name
+    base = record["base_model"]
+    data = ModelCardData(base_model=base, base_model_relation="quantized" if base else None,
+                         library_name="transformers",
+                         pipeline_tag="text-generation",
+                         tags=["fp8", "moe", "quantized", "quantize-moe", checkpoint.raw_config["model_type"]],
+                         **record["source_card"])
+    origin = (f"[{base}](https://huggingface.co/{base})" + (f" at `{record['base_revision']}`"
+              if record["base_revision"] else "")) if base else "a local checkpoint"
+    serving = "\n".join(SERVING[e].format(repo=repo) for e in engines)
+    stored = sum(i.nbytes for i in checkpoint.tensors.values())
+    shared = ("; gate and up of each expert share one scale, so engines that fuse them load it without "
+              "requantizing") if inventory.spec.weight == "tensor" else ""
+    body = f"""
+# {repo.split('/')[-1]}
+
+FP8 (float8_e4m3fn) weights of {origin}, {inventory.family.name} family, made with {record['tool']}.
+Routed experts and other Linear layers are FP8; what must stay in high precision for
+accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size on disk: {human_bytes(stored)}.
+
+## What is quantized and what is kept
+
+{_contents_table(inventory)}
+
+## Scheme and format
+
+- weights: FP8 e4m3, {inventory.spec.weight} scales, scale = amax / 448 (the dequantization multiplier,
+  stored as `{inventory.scale_suffix}`){shared}
+- activations: {qc.get('activation_scheme', 'dynamic')}, quantized by the engine at run time
+- config: `quantization_config` with `quant_method: {qc.get('quant_method')}`; the Linears kept in high
+  precision are listed in its ignore list
+
+## Engines
+
+{', '.join(engines) or 'No engine is known to load this format'} load{'s' if len(engines) == 1 else ''} this checkpoint{':' if engines else '.'}
+
+```
+{serving}
+```
+{_validation_section(dst)}
+## Reproduce
+
+```
+pip install quantize-moe
+{record['command']}
+```
+"""
+    checkpoint.close()
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def write_card(dst: Path, repo_id: str | None = None) -> None:
+    write_text(dst / CARD_NAME, str(build_card(dst, repo_id)))
