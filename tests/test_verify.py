@@ -1,0 +1,133 @@
+"""`quantize-moe verify`: a good checkpoint passes; each kind of damage fails the check that owns it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.cli import app
+from quantize_moe.integrity import MANIFEST_NAME, sha256_file
+from quantize_moe.plan import Options
+from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.tiny import build_tiny_checkpoint
+from quantize_moe.verify import EXIT_FAILED, EXIT_OK, EXIT_UNREADABLE, verify
+
+EXPERT = "model.layers.0.block_sparse_moe.experts.1"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    build_tiny_checkpoint("mixtral", root / "src")
+    quantize_checkpoint(root / "src", root / "dst", Options(max_shard_size=200_000), show_progress=False)
+    return root / "src", root / "dst"
+
+
+@pytest.fixture
+def damaged(pair, tmp_path):
+    """A copy of the good output to break."""
+    return shutil.copytree(pair[1], tmp_path / "dst")
+
+
+def edit_tensors(folder, edit):
+    """Rewrite the shard holding EXPERT's weights after `edit(tensors)`; keeps the index consistent."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    file = index["weight_map"][f"{EXPERT}.w1.weight"]
+    tensors = load_file(folder / file)
+    edit(tensors)
+    save_file(tensors, folder / file, metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != file} | dict.fromkeys(tensors, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(folder).tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def failed(report) -> dict[str, str]:
+    return {f.check: " ".join([f.message, *f.examples]) for f in report.findings if f.status == "fail"}
+
+
+def test_good_output_passes_every_check(pair):
+    report = verify(pair[1], Checkpoint(pair[0]))
+    assert report.ok and report.exit_code == EXIT_OK
+    assert {f.check for f in report.findings} >= {"structure", "metadata", "scales", "shared scales", "coverage",
+                                                   "integrity", "numerics: experts", "numerics: other tensors"}
+
+
+def test_cli_json_and_exit_codes(pair, damaged, tmp_path):
+    ok = CliRunner().invoke(app, ["verify", str(pair[1]), "--json"])
+    assert ok.exit_code == EXIT_OK and json.loads(ok.stdout)["ok"] is True
+    (damaged / "model-00001-of-00002.safetensors").open("ab").write(b"junk")
+    bad = CliRunner().invoke(app, ["verify", str(damaged), "--json"])
+    assert bad.exit_code == EXIT_FAILED and json.loads(bad.stdout)["exit_code"] == EXIT_FAILED
+    missing = CliRunner().invoke(app, ["verify", str(tmp_path / "absent")])
+    assert missing.exit_code == EXIT_UNREADABLE and "does not exist" in missing.output
+
+
+def test_nan_and_zero_scales_fail(damaged):
+    def edit(t):
+        t[f"{EXPERT}.w1.weight_scale"] = torch.tensor(float("nan"))
+        t[f"{EXPERT}.w2.weight_scale"] = torch.tensor(0.0)
+    edit_tensors(damaged, edit)
+    problems = failed(verify(damaged))
+    assert "NaN" in problems["scales"] and "zero or negative" in problems["scales"]
+
+
+def test_gate_and_up_with_different_scales_fail(damaged):
+    edit_tensors(damaged, lambda t: t.__setitem__(f"{EXPERT}.w3.weight_scale", t[f"{EXPERT}.w3.weight_scale"] * 2))
+    assert "different scales" in failed(verify(damaged))["shared scales"]
+
+
+def test_an_expert_left_in_bf16_fails_coverage_and_metadata(damaged):
+    def edit(t):
+        t[f"{EXPERT}.w2.weight"] = t[f"{EXPERT}.w2.weight"].float().bfloat16()
+        del t[f"{EXPERT}.w2.weight_scale"]
+    edit_tensors(damaged, edit)
+    problems = failed(verify(damaged))
+    assert f"{EXPERT}.w2.weight" in problems["coverage"]
+    assert f"{EXPERT}.w2" in problems["metadata"]  # a bf16 Linear not in ignored_layers
+
+
+def test_ignore_list_that_disagrees_with_the_tensors_fails(damaged):
+    config = json.loads((damaged / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["lm_head", f"{EXPERT}.w1", "model.layers.9.mlp.gate"]
+    (damaged / "config.json").write_text(json.dumps(config))
+    problems = failed(verify(damaged))["metadata"]
+    assert f"'{EXPERT}.w1' is FP8 but listed" in problems
+    assert "block_sparse_moe.gate' stays" in problems and "names no module" in problems
+
+
+def test_orphans_and_leftovers_fail_structure(damaged):
+    shutil.copy(damaged / "model-00001-of-00002.safetensors", damaged / "model-00009-of-00009.safetensors")
+    (damaged / "config.json.partial").write_text("{}")
+    problems = failed(verify(damaged))["structure"]
+    assert "model-00009-of-00009.safetensors" in problems and "half-written" in problems
+
+
+def test_manifest_hashes_are_checked(damaged):
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in damaged.glob("*.safetensors")}
+    (damaged / MANIFEST_NAME).write_text(json.dumps({"files": files}))
+    assert verify(damaged).ok
+    shard = damaged / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the hash sees it
+    shard.write_bytes(bytes(data))
+    assert "sha256" in failed(verify(damaged))["integrity"]
+
+
+def test_numerics_against_the_source_catch_a_wrong_weight(pair, damaged):
+    edit_tensors(damaged, lambda t: t.__setitem__(f"{EXPERT}.w1.weight",
+                                                  (t[f"{EXPERT}.w1.weight"].float() * 1.5).to(torch.float8_e4m3fn)))
+    report = verify(damaged, Checkpoint(pair[0]))
+    assert "layer 0" in failed(report)["numerics: experts"]
+    assert failed(report).keys() == {"numerics: experts"}
+
+
+def test_a_missing_shard_is_a_failure_not_a_crash(damaged):
+    (damaged / "model-00002-of-00002.safetensors").unlink()
+    assert "missing" in failed(verify(damaged))["structure"]
