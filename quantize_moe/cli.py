@@ -63,7 +63,7 @@ STREAM_SCRATCH = ".quantize-moe-download"  # hidden in DST: never copied, upload
 @app.command()
 @user_errors
 def quantize(
-    src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors), or Hub repo id org/name[@revision].")],
+    src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors) or Hub repo id org/name[@rev].")],
     dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",

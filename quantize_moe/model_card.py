@@ -25,7 +25,7 @@ from quantize_moe.output import write_json, write_text
 from quantize_moe.plan import Options
 
 RUN_RECORD = "quantize_moe_run.json"
-VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate --json > DST/validation.json`
+VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json DST/validation.json`
 CARD_NAME = "README.md"
 CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
@@ -99,7 +99,7 @@ def _contents_table(inventory: Inventory) -> str:
 
 
 def _validation_section(dst: Path) -> str:
-    """`validation.json` as a table: a list of row objects (or such a list under "layers"), one column per key."""
+    """`validation.json` (validate's JSON report: row objects under "layers") as a table, one column per key."""
     path = dst / VALIDATION_REPORT
     if not path.is_file():
         return ""
@@ -110,8 +110,20 @@ def _validation_section(dst: Path) -> str:
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         raise UserError(f"'{path}' is not a validation report (a list of row objects, or one under 'layers'); "
                         "write it with `quantize-moe validate --json`.") from None
-    table = _markdown_table(header, [[row.get(k, "") for k in header] for row in rows])
-    return f"\n## Validation\n\nFrom `quantize-moe validate` ({VALIDATION_REPORT}):\n\n{table}\n"
+    table = _markdown_table(header, [[_cell(row.get(k, "")) for k in header] for row in rows])
+    where = f" on {data['device']}" if isinstance(data, dict) and data.get("device") else ""
+    return f"\n## Validation\n\nEach MoE layer, FP8 against bf16, from `quantize-moe validate`{where}:\n\n{table}\n"
+
+
+def _cell(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _engines_section(engines: tuple[str, ...], repo: str) -> str:
+    if not engines:
+        return "No engine is known to load this format yet."
+    serving = "\n".join(SERVING[e].format(repo=repo) for e in engines)
+    return f"Known to load it: {', '.join(engines)}.\n\n```\n{serving}\n```\n"
 
 
 def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
@@ -133,7 +145,6 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
                          **record["source_card"])
     origin = (f"[{base}](https://huggingface.co/{base})" + (f" at `{record['base_revision']}`"
               if record["base_revision"] else "")) if base else "a local checkpoint"
-    serving = "\n".join(SERVING[e].format(repo=repo) for e in engines)
     stored = sum(i.nbytes for i in checkpoint.tensors.values())
     shared = ("; gate and up of each expert share one scale, so engines that fuse them load it without "
               "requantizing") if inventory.spec.weight == "tensor" else ""
@@ -158,11 +169,7 @@ accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size 
 
 ## Engines
 
-{', '.join(engines) or 'No engine is known to load this format'} load{'s' if len(engines) == 1 else ''} this checkpoint{':' if engines else '.'}
-
-```
-{serving}
-```
+{_engines_section(engines, repo)}
 {_validation_section(dst)}
 ## Reproduce
 

@@ -97,7 +97,8 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
             problems.append(f"the index declares total_size {declared}, the tensors hold {actual} bytes")
     problems += [f"'{p.name}' is not part of the checkpoint" for p in sorted(folder.glob("*.safetensors"))
                  if p.name not in checkpoint.shard_files]
-    problems += [f"'{p.relative_to(folder)}' is a half-written file" for p in sorted(folder.rglob(f"*{PARTIAL_SUFFIX}"))]
+    problems += [f"'{p.relative_to(folder)}' is a half-written file"
+                 for p in sorted(folder.rglob(f"*{PARTIAL_SUFFIX}"))]
 
     weights_with_scales = set()
     for name, stored in inventory.tensors.items():
@@ -283,7 +284,23 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
             problems.append(f"'{name}': worst error {ratio:.2f}x the FP8 rounding bound")
     others = _finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "
                       "ones bit for bit, FP8 ones within rounding)", "tensor(s) differ from the source")
-    return [experts, others]
+    return [experts, others, check_layer_outputs(inventory, source)]
+
+
+def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
+    """On a GPU, every MoE layer run through the FP8 Triton kernels against bf16 (`validate`); on a CPU
+    that takes long enough to be its own command, so it is skipped here."""
+    if not torch.cuda.is_available():
+        return Finding("numerics: layer outputs", "skip", "no CUDA GPU; run `quantize-moe validate SRC DST` "
+                       "to compare layer outputs on the CPU")
+    from quantize_moe.validate import validate
+
+    report = validate(source.folder, inventory.checkpoint.folder, device="cuda")
+    return _finding("numerics: layer outputs",
+                    [f"layer {r.layer}: relative error {r.relative_error:.1e}, cosine {r.cosine:.4f}"
+                     for r in report.layers if not r.passed],
+                    f"{len(report.layers)} MoE layers' FP8 outputs on {report.device} within the validate "
+                    "thresholds", "MoE layer(s) fail validate's thresholds")
 
 
 def verify(folder: str | Path, source: Checkpoint | None = None) -> VerifyReport:

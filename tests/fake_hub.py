@@ -43,7 +43,8 @@ class FakeHub:
 
             def _record(self) -> bytes:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                hub.requests.append(Request(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                hub.requests.append(Request(self.command, self.path, headers, body))
                 return body
 
             def _reply(self, status: int, payload: bytes = b"", headers: dict | None = None) -> None:
