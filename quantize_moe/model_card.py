@@ -21,7 +21,8 @@ from quantize_moe.console import human_bytes
 from quantize_moe.errors import UserError
 from quantize_moe.hub import HubSource
 from quantize_moe.inventory import Inventory, take_inventory
-from quantize_moe.output import write_json, write_text
+from quantize_moe.manifest import Manifest
+from quantize_moe.output import write_text
 from quantize_moe.plan import Options
 
 RUN_RECORD = "quantize_moe_run.json"
@@ -70,14 +71,22 @@ def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Option
     origin = _hub_origin(checkpoint.folder)  # Hub sources are read from (or through) a cache snapshot
     source_card = checkpoint.folder / CARD_NAME
     metadata = ModelCard.load(source_card).data.to_dict() if source_card.is_file() else {}
-    write_json(dst / RUN_RECORD, {
+    _write_recorded(dst, RUN_RECORD, json.dumps({
         "tool": f"quantize-moe {__version__}",
         "base_model": origin.repo_id if origin else None,
         "base_revision": origin.revision if origin else None,
         "options": dataclasses.asdict(options),
         "command": reproduce_command(origin.repo_id if origin else Path(src_text).name, dst, options),
         "source_card": {k: metadata[k] for k in CARRIED_OVER if metadata.get(k)},
-    })
+    }, indent=2) + "\n")
+
+
+def _write_recorded(dst: Path, name: str, text: str) -> None:
+    """Write a file of the output and, in a quantize-moe output, record its size and hash in the manifest."""
+    write_text(dst / name, text)
+    manifest = Manifest.load(dst)
+    if manifest is not None:
+        manifest.record(name)
 
 
 def _markdown_table(header: list[str], rows: list[list]) -> str:
@@ -183,4 +192,4 @@ pip install quantize-moe
 
 
 def write_card(dst: Path, repo_id: str | None = None) -> None:
-    write_text(dst / CARD_NAME, str(build_card(dst, repo_id)))
+    _write_recorded(dst, CARD_NAME, str(build_card(dst, repo_id)))

@@ -14,6 +14,7 @@ from huggingface_hub import HfApi, get_token
 from quantize_moe import __version__
 from quantize_moe.errors import UserError
 from quantize_moe.hub import HubSource, hub_errors
+from quantize_moe.manifest import Manifest
 from quantize_moe.model_card import write_card
 from quantize_moe.output import PARTIAL_SUFFIX
 
@@ -27,6 +28,10 @@ def upload(dst: Path, repo_id: str, *, private: bool = False) -> str:
         raise UserError(f"DST '{dst}' does not exist or is not a folder; point upload at a quantized checkpoint.")
     if get_token() is None:
         raise UserError("No Hugging Face token found; set HF_TOKEN or run `hf auth login`, then upload again.")
+    manifest = Manifest.load(dst)
+    if manifest is not None and not manifest.complete:
+        raise UserError(f"'{manifest.path}' says the run that wrote DST did not finish; rerun quantize with "
+                        "--resume before uploading.")
     write_card(dst, repo_id)
     api = HfApi()
     with hub_errors(HubSource(repo_id)):

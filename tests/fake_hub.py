@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -89,6 +90,11 @@ class FakeHub:
     def _files(self) -> dict[str, Path]:
         return {p.relative_to(self.served).as_posix(): p for p in sorted(self.served.rglob("*")) if p.is_file()}
 
+    def _entry(self, name: str) -> dict:
+        file = self._files()[name]
+        return {"type": "file", "path": name, "size": file.stat().st_size,
+                "oid": hashlib.sha1(file.read_bytes()).hexdigest()}
+
     def get(self, handler) -> None:
         path = handler.path.split("?")[0]
         api = f"/api/models/{self.repo_id}"
@@ -96,9 +102,7 @@ class FakeHub:
             return handler._json({"id": self.repo_id, "sha": COMMIT, "private": False,
                                   "siblings": [{"rfilename": f} for f in self._files()]})
         if path.startswith(f"{api}/tree/"):
-            return handler._json([{"type": "file", "path": name, "size": p.stat().st_size,
-                                   "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
-                                  for name, p in self._files().items()])
+            return handler._json([self._entry(name) for name in self._files()])
         prefix = f"/{self.repo_id}/resolve/"
         if path.startswith(prefix):
             filename = path[len(prefix):].split("/", 1)[1]
@@ -120,6 +124,9 @@ class FakeHub:
         if path == "/api/repos/create":
             name = json.loads(body)["name"]
             return handler._json({"url": f"{self.endpoint}/{json.loads(body).get('organization', 'user')}/{name}"})
+        if path.startswith(f"/api/models/{self.repo_id}/paths-info/"):
+            paths = parse_qs(body.decode()).get("paths", [])
+            return handler._json([self._entry(name) for name in paths if name in self._files()])
         if path == "/api/validate-yaml":
             return handler._json({"errors": [], "warnings": []})
         if "/preupload/" in path:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from quantize_moe.checkpoint import Checkpoint
 from quantize_moe.cli import app
-from quantize_moe.integrity import MANIFEST_NAME, sha256_file
+from quantize_moe.output import MANIFEST_NAME
 from quantize_moe.plan import Options
 from quantize_moe.quantize import quantize_checkpoint
 from quantize_moe.tiny import build_tiny_checkpoint
@@ -110,19 +110,23 @@ def test_orphans_and_leftovers_fail_structure(damaged):
 
 
 def test_manifest_hashes_are_checked(damaged):
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in damaged.glob("*.safetensors")}
-    (damaged / MANIFEST_NAME).write_text(json.dumps({"files": files}))
-    assert verify(damaged).ok
     shard = damaged / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # same size, different bytes: only the hash sees it
     shard.write_bytes(bytes(data))
-    assert "sha256" in failed(verify(damaged))["integrity"]
+    assert "model-00002-of-00002.safetensors" in failed(verify(damaged))["integrity"]
+
+
+def test_an_unfinished_run_fails_integrity(damaged):
+    manifest = json.loads((damaged / MANIFEST_NAME).read_text())
+    (damaged / MANIFEST_NAME).write_text(json.dumps(manifest | {"complete": False}))
+    assert "did not finish" in failed(verify(damaged))["integrity"]
 
 
 def test_numerics_against_the_source_catch_a_wrong_weight(pair, damaged):
     edit_tensors(damaged, lambda t: t.__setitem__(f"{EXPERT}.w1.weight",
                                                   (t[f"{EXPERT}.w1.weight"].float() * 1.5).to(torch.float8_e4m3fn)))
+    (damaged / MANIFEST_NAME).unlink()  # as another tool's output: the hash check would stop it earlier
     report = verify(damaged, Checkpoint(pair[0]))
     assert "layer 0" in failed(report)["numerics: experts"]
     assert failed(report).keys() == {"numerics: experts"}
