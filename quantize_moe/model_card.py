@@ -149,9 +149,8 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
     base = record["base_model"]
     data = ModelCardData(base_model=base, base_model_relation="quantized" if base else None,
                          library_name="transformers",
-                         pipeline_tag="text-generation",
                          tags=["fp8", "moe", "quantized", "quantize-moe", checkpoint.raw_config["model_type"]],
-                         **record["source_card"])
+                         **{"pipeline_tag": "text-generation", **record["source_card"]})
     origin = (f"[{base}](https://huggingface.co/{base})" + (f" at `{record['base_revision']}`"
               if record["base_revision"] else "")) if base else "a local checkpoint"
     stored = sum(i.nbytes for i in checkpoint.tensors.values())

@@ -26,7 +26,8 @@ TOKEN = "hf_quantizeMoeTestTokenThatMustNeverBePrinted"
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("upload")
     build_tiny_checkpoint("mixtral", root / "src")
-    (root / "src" / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: en\n---\n# base\n")
+    (root / "src" / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: en\npipeline_tag: text-generation\n"
+                                            "---\n# base\n")
     result = CliRunner().invoke(app, ["quantize", str(root / "src"), str(root / "dst"), "--max-shard-size", "200KB",
                                       "--no-progress"])
     assert result.exit_code == 0, result.output
