@@ -12,7 +12,8 @@ from transformers import PretrainedConfig
 
 from quantize_moe.adapters import PerExpertFamily, TensorRole, adapter_for, parse_config
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
-from quantize_moe.dequantize import is_scale
+from quantize_moe.adapters.fused import scale_name
+from quantize_moe.dequantize import SCALE_SUFFIXES
 from quantize_moe.formats import read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
 from quantize_moe.moe.quant_spec import MoEQuantSpec
@@ -37,9 +38,10 @@ class Inventory:
     scale_suffix: str | None  # None when the config declares no quantization
     tensors: dict[str, StoredTensor]  # everything but scales
     scales: dict[str, TensorInfo]
+    num_experts: dict[int, int]  # MoE layer -> routed experts
 
     def scale_of(self, name: str) -> TensorInfo | None:
-        return self.scales.get(f"{name.removesuffix('.weight')}.{self.scale_suffix}")
+        return self.scales.get(scale_name(name, self.scale_suffix))
 
 
 def take_inventory(checkpoint: Checkpoint) -> Inventory:
@@ -49,8 +51,9 @@ def take_inventory(checkpoint: Checkpoint) -> Inventory:
     spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
     tensors, scales = {}, {}
     for name, info in checkpoint.tensors.items():
-        if is_scale(name):
+        if name.endswith(SCALE_SUFFIXES):
             scales[name] = info
         else:
             tensors[name] = StoredTensor(info, family.role(name, len(info.shape)))
-    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales)
+    num_experts = {info.layer: info.num_experts for info in family.moe_layers(config)}
+    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales, num_experts)

@@ -24,9 +24,9 @@ from quantize_moe import fp8
 from quantize_moe.adapters import Kind
 from quantize_moe.check import check_expert_weights
 from quantize_moe.checkpoint import INDEX_NAME, Checkpoint, inside
-from quantize_moe.dequantize import weight_scale
+from quantize_moe.dequantize import SourceReader
 from quantize_moe.errors import UserError
-from quantize_moe.inventory import Inventory, take_inventory
+from quantize_moe.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.manifest import Manifest
 from quantize_moe.output import MANIFEST_NAME, PARTIAL_SUFFIX
 from quantize_moe.plan import FUSED_SIBLINGS
@@ -70,8 +70,10 @@ def _finding(check: str, problems: list[str], passed: str, failed: str, status: 
 
 
 # -- structure --------------------------------------------------------------------------------------
-def _scale_shape_ok(inventory: Inventory, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> bool:
-    spec = inventory.spec
+def _scale_shape_ok(inventory: Inventory, stored: StoredTensor, scale_shape: tuple[int, ...]) -> bool:
+    spec, weight_shape = inventory.spec, stored.info.shape
+    if stored.role.fused is not None:  # one per-tensor scale per expert (and shard)
+        return scale_shape == stored.role.fused.scale_shape(inventory.num_experts[stored.role.layer])
     numel = math.prod(scale_shape)
     if spec.weight == "tensor":
         return numel == 1
@@ -111,7 +113,7 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
         weights_with_scales.add(scale.name)
         if scale.dtype not in FLOAT_SCALE_DTYPES:
             problems.append(f"scale '{scale.name}' is {scale.dtype}, not a float")
-        if not _scale_shape_ok(inventory, stored.info.shape, scale.shape):
+        if not _scale_shape_ok(inventory, stored, scale.shape):
             problems.append(f"scale '{scale.name}' has shape {scale.shape}, which does not fit "
                             f"{inventory.spec.weight} scales of a {stored.info.shape} weight")
     problems += [f"scale '{n}' belongs to no FP8 weight" for n in inventory.scales
@@ -183,23 +185,30 @@ def check_scales(inventory: Inventory) -> Finding:
 
 
 def check_shared_scales(inventory: Inventory) -> Finding:
-    """Per-tensor scales of modules that engines fuse (gate/up, q/k/v) must be one value, or vLLM
-    requantizes them at load (a second rounding)."""
+    """Per-tensor scales of what engines fuse (gate/up of an expert, q/k/v) must be one value per expert,
+    or vLLM requantizes at load (a second rounding): sibling modules share their scale, and the
+    per-expert scales of a fused expert tensor (and of its scale group, DBRX w1 with v1) agree."""
     if inventory.spec.weight != "tensor":
         return Finding("shared scales", "skip", f"{inventory.spec.weight} scales: nothing is shared")
     groups: dict[tuple, list[str]] = defaultdict(list)
     for name, stored in inventory.tensors.items():
-        parent, _, leaf = stored.role.module.rpartition(".")
+        role = stored.role
+        if not stored.quantized or inventory.scale_of(name) is None:
+            continue
+        if role.fused is not None:
+            groups[(f"layer {role.layer} {role.fused.scale_group}", role.layer)].append(name)
+            continue
+        parent, _, leaf = role.module.rpartition(".")
         siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
-        if stored.quantized and siblings is not None:
-            groups[(parent, siblings)].append(name)
+        if siblings is not None:
+            groups[(f"{parent}.{{{','.join(sorted(siblings))}}}", None)].append(name)
     problems = []
-    for (parent, _), names in groups.items():
-        values = {inventory.checkpoint.get(inventory.scale_of(n).name).float().item()
-                  for n in names if inventory.scale_of(n) is not None}
-        if len(values) > 1:
-            problems.append(f"'{parent}': {', '.join(sorted(n.rsplit('.', 2)[-2] for n in names))} have "
-                            "different scales")
+    for (where, layer), names in groups.items():
+        experts = inventory.num_experts.get(layer, 1)
+        scales = torch.cat([inventory.checkpoint.get(inventory.scale_of(n).name).float().reshape(experts, -1)
+                            for n in names], dim=1)
+        if not torch.equal(scales, scales[:, :1].expand_as(scales)):
+            problems.append(f"'{where}' has different scales")
     return _finding("shared scales", problems, f"{len(groups)} fused groups share one scale each",
                     "fused group(s) with different scales (vLLM requantizes them at load)")
 
@@ -207,18 +216,27 @@ def check_shared_scales(inventory: Inventory) -> Finding:
 # -- coverage ---------------------------------------------------------------------------------------
 def check_coverage(inventory: Inventory) -> Finding:
     """Every expert of every MoE layer is FP8; nothing that must stay high precision is."""
-    experts = {(s.role.layer, s.role.expert, s.role.shard_id): s for s in inventory.tensors.values()
-               if s.role.kind == Kind.ROUTED_EXPERT}
+    experts: dict[tuple, StoredTensor] = {}
+    for s in inventory.tensors.values():
+        role = s.role
+        if role.kind != Kind.ROUTED_EXPERT:
+            continue
+        if role.fused is None:
+            experts[(role.layer, role.expert, role.shard_id)] = s
+        else:
+            experts.update({(role.layer, e, shard): s for e in range(inventory.num_experts.get(role.layer, 0))
+                            for shard in role.fused.shards})
     problems, total = [], 0
-    for layer in inventory.family.moe_layers(inventory.config):
-        for expert in range(layer.num_experts):
+    for layer, num_experts in inventory.num_experts.items():
+        for expert in range(num_experts):
             for shard_id in ("w1", "w3", "w2"):
                 total += 1
-                stored = experts.get((layer.layer, expert, shard_id))
+                stored = experts.get((layer, expert, shard_id))
                 if stored is None:
-                    problems.append(f"layer {layer.layer} expert {expert} {shard_id} is missing")
+                    problems.append(f"layer {layer} expert {expert} {shard_id} is missing")
                 elif not stored.quantized:
-                    problems.append(f"'{stored.info.name}' is {stored.info.dtype}, not FP8")
+                    problems.append(f"'{stored.info.name}' ({shard_id} of expert {expert}) is {stored.info.dtype}, "
+                                    "not FP8")
     problems += [f"'{name}' is FP8 but must stay high precision ({s.role.reason})"
                  for name, s in inventory.tensors.items()
                  if s.quantized and s.role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION)]
@@ -262,6 +280,7 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
                        f"{max((c.worst_bound_ratio for c in layers), default=0):.2f} of the bound)",
                        "MoE layer(s) outside FP8 rounding of the source")
     problems, compared = [], 0
+    reader = SourceReader(inventory.checkpoint, torch.float32)
     for name, stored in inventory.tensors.items():
         if stored.role.kind == Kind.ROUTED_EXPERT or name not in source.tensors:
             continue
@@ -270,9 +289,8 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
             if not torch.equal(original, inventory.checkpoint.get(name)):
                 problems.append(f"kept tensor '{name}' differs from the source")
             continue
-        scale = weight_scale(inventory.checkpoint, name, inventory.spec, inventory.scale_suffix)
-        error = (inventory.checkpoint.get(name).float() * scale - original.float()).abs()
-        ratio = (error / fp8.rounding_bound(original, scale)).max().item()
+        error = (reader.get(name) - original.float()).abs()
+        ratio = (error / fp8.rounding_bound(original, reader.weight_scale(name))).max().item()
         if ratio > 1.0:
             problems.append(f"'{name}': worst error {ratio:.2f}x the FP8 rounding bound")
     others = _finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "

@@ -135,3 +135,19 @@ def test_numerics_against_the_source_catch_a_wrong_weight(pair, damaged):
 def test_a_missing_shard_is_a_failure_not_a_crash(damaged):
     (damaged / "model-00002-of-00002.safetensors").unlink()
     assert "missing" in failed(verify(damaged))["structure"]
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "dbrx", "deepseek_v2", "qwen3_next"])
+def test_every_layout_passes_and_a_fused_gate_up_scale_mismatch_fails(family, tmp_path):
+    """Fused expert tensors (GraniteMoE [E, 2I, H], DBRX flat w1/v1/w2), MLA and hybrid layers."""
+    build_tiny_checkpoint(family, tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "dst", Options(), show_progress=False)
+    report = verify(tmp_path / "dst", Checkpoint(tmp_path / "src"))
+    assert report.ok, failed(report)
+    if family == "granitemoe":
+        shard = tmp_path / "dst" / "model.safetensors"
+        tensors = load_file(shard)
+        name = next(n for n in tensors if n.endswith("input_linear.weight_scale"))
+        tensors[name][:, 1] *= 2  # up's scale no longer gate's
+        save_file(tensors, shard, metadata={"format": "pt"})
+        assert "different scales" in failed(verify(tmp_path / "dst"))["shared scales"]
