@@ -220,7 +220,7 @@ def validate(
 ) -> None:
     """Run every MoE layer with the bf16 experts of SRC and the FP8 experts of DST through the same
     fused-MoE layer (Triton on a GPU, the torch reference otherwise) and report the error per layer.
-    Exit code 0: every layer passed; 2: some layer failed; 1: bad input."""
+    Exit code 0: every layer passed; 1: bad input; 2: bad usage; 3: some layer failed."""
     from quantize_moe.validate import validate as run_validation
 
     chosen = None
@@ -248,7 +248,7 @@ def validate(
     if not report.passed:
         failed = [str(r.layer) for r in report.layers if not r.passed]
         console.print(f"[bold red]validation failed[/] in layer(s) {', '.join(failed)}")
-        raise typer.Exit(2)
+        raise typer.Exit(3)
 
 
 def _report_weight_check(src: Path, dst: Path) -> None:

@@ -66,7 +66,7 @@ def test_broken_checkpoints_fail(mixtral_pair, tmp_path, breakage):
             tensors[a], tensors[b] = tensors[b], tensors[a]
 
     result = runner.invoke(app, ["validate", str(src), str(edited_copy(dst, tmp_path, edit)), "--layers", "0,1"])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 3, result.output
     assert "validation failed in layer(s) 1" in " ".join(result.output.split())
 
 
