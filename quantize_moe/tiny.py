@@ -85,6 +85,10 @@ def build_tiny_checkpoint(model_type: str, folder: str | Path, *, seed: int = 0,
     config = CONFIG_MAPPING[model_type](**TINY_CONFIGS[model_type])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # trained routers' correction biases are not zero; zeros would hide one left out
+        for name, tensor in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(std=0.1)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
 

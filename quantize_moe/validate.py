@@ -3,7 +3,9 @@
 For every MoE layer, the bf16 experts of SRC and the FP8 experts of DST are loaded
 through the same weight loader into `FusedMoE` layers, fed the same hidden states
 (seeded, scaled by the layer's own input RMSNorm weight; or read from a file),
-routed by the layer's real router weights with the family's rule, and compared.
+routed by the layer's real router weights with the family's rule (Llama-4's router
+weight scales the expert input, as in transformers), and compared. Families whose
+experts the fused-MoE layer cannot compute (gpt-oss) are refused.
 A float64 torch reference of each separates kernel error from quantization error.
 """
 
@@ -15,12 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from quantize_moe.adapters import Kind
 from quantize_moe.errors import UserError
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.loading import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
-from quantize_moe.moe.routing import select_experts
+from quantize_moe.moe.routing import route
 
 
 @dataclass(frozen=True)
@@ -96,18 +97,6 @@ def _hidden_states(moe: MoECheckpoint, layer: int, tokens: int, seed: int, file:
     return x.to(device, torch.bfloat16)
 
 
-def _router(moe: MoECheckpoint, layer: int) -> dict[str, torch.Tensor]:
-    """The layer's router parameters by name: weight, and e_score_correction_bias or bias if any."""
-    router = {}
-    for name, info in moe.checkpoint.tensors.items():
-        role = moe.family.role(name, len(info.shape))
-        if role.kind == Kind.ROUTER and role.layer == layer:
-            router[name.rpartition(".")[2]] = moe.checkpoint.get(name).float()
-    if "weight" not in router:
-        raise UserError(f"No router weight found for MoE layer {layer} in '{moe.checkpoint.folder}'.")
-    return router
-
-
 def _reference(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> torch.Tensor:
     w13_scale, w2_scale = layer.quant_method.scales(layer)
     return fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids,
@@ -120,9 +109,8 @@ def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens
                    thresholds: Thresholds) -> LayerResult:
     info = src.layers[layer]
     x = _hidden_states(src, layer, tokens, seed, hidden_states_file, device)
-    router = {k: v.to(device) for k, v in _router(src, layer).items()}
-    rule = src.family.routing_rule(src.config, router)
-    weights, ids = select_experts(x.float() @ router["weight"].T, rule)
+    router = {k: v.to(device) for k, v in src.load_router(layer).items()}
+    x, weights, ids = route(x, router, src.family.routing_rule(src.config, router, layer))
 
     original = src.load_layer(layer, device)
     out_bf16 = original(x, weights, ids).float()
@@ -154,6 +142,10 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     source, produced = MoECheckpoint.open(src), MoECheckpoint.open(dst)
     if source.spec.is_fp8:
         raise UserError(f"SRC '{src}' is already quantized; validate compares an unquantized SRC with DST.")
+    if source.family.activation != "silu":
+        raise UserError(f"SRC '{src}' is a {source.family.name} checkpoint, which validate cannot check: its experts "
+                        f"use biases and a {source.family.activation} activation that the fused-MoE layer it "
+                        "runs does not compute.")
     if sorted(source.layers) != sorted(produced.layers):
         raise UserError(f"SRC '{src}' and DST '{dst}' have different MoE layers; is DST made from SRC?")
     if device == "auto":

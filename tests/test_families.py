@@ -3,8 +3,8 @@
 The central check: our stacked w13/w2 view of a checkpoint's experts (loaded through the
 adapter and the FusedMoE weight loader) computes exactly what the family's transformers
 MoE block computes. The routing is the family's own, captured where its block calls its
-experts, so these tests isolate the layout mapping; routing rules are checked in
-test_routing.py.
+experts (moe_blocks.py), so these tests isolate the layout mapping; routing rules are
+checked in test_routing.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from moe_blocks import expert_call
 from quantize_moe.adapters import Kind
 from quantize_moe.check import check_expert_weights
 from quantize_moe.checkpoint import Checkpoint
@@ -29,13 +30,6 @@ from quantize_moe.tiny import TINY_CONFIGS, add_mtp_layer, build_tiny_checkpoint
 FAMILIES = sorted(TINY_CONFIGS)
 REFUSED = {"gpt_oss", "llama4_text"}  # FP8 output loads in no engine
 TOKENS = 29
-
-
-def _experts_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
-    blocks = [m for name, m in model.named_modules()
-              if name.split(".")[-2:-1] == [str(layer)] and hasattr(m, "experts")]
-    assert len(blocks) == 1, f"no single MoE block in layer {layer}"
-    return blocks[0]
 
 
 def _swigluoai_reference(x, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
@@ -60,13 +54,7 @@ def test_stacked_view_matches_transformers_moe_block(model_type, tiny_checkpoint
     assert ours.layers, "the adapter finds no MoE layer"
     torch.manual_seed(1)
     for layer in ours.layers:
-        block = _experts_module(model, layer)
-        calls = []
-        hook = block.experts.register_forward_hook(lambda m, args, out: calls.append((args, out)))
-        with torch.no_grad():
-            block(torch.randn(1, TOKENS, ours.layers[layer].hidden_size))
-        hook.remove()
-        (args, theirs), = calls
+        args, theirs = expert_call(model, layer, torch.randn(1, TOKENS, ours.layers[layer].hidden_size))
         moe = ours.load_layer(layer, params_dtype=torch.float32)
         w13, w2 = moe.dequantized_weights()
         x = args[0].reshape(-1, w2.shape[1])

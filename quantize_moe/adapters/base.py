@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters.fused import FusedLayout
-from quantize_moe.moe.routing import RoutingRule
+from quantize_moe.moe.routing import RoutingRule, Scoring
 
 # vLLM's FusedMoE shard ids: gate = w1, down = w2, up = w3.
 SHARD_IDS = ("w1", "w2", "w3")
@@ -79,7 +79,9 @@ class PerExpertFamily:
     num_experts_keys: tuple[str, ...] = ("num_local_experts",)
     expert_width_keys: tuple[str, ...] = ("moe_intermediate_size", "intermediate_size")
     top_k_keys: tuple[str, ...] = ("num_experts_per_tok",)
-    # Routing: softmax top-k, renormalized always (True) or as the named config flag says.
+    # Routing (moe/routing.py): how the router's logits pick experts; renormalized always (True), never
+    # (False) or as the named config flag says.
+    scoring: Scoring = "softmax_topk"
     renormalize: bool | str = True
     moe_input_norm: str = "post_attention_layernorm"  # the RMSNorm whose output enters the MoE block
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
@@ -135,12 +137,16 @@ class PerExpertFamily:
         m = self._patterns["layer"].match(name)
         return int(m["layer"]) if m else None
 
-    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor]) -> RoutingRule:
-        """The family's top-k rule; `router` maps the router's parameter names to tensors."""
-        top_k = self.config_value(config, self.top_k_keys)
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        """The family's top-k rule in decoder layer `layer`; `router` maps the names of the layer's router
+        parameters (`weight`, and `bias` or `e_score_correction_bias` where the family has one) to tensors."""
+        config = config.get_text_config()
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else bool(
             getattr(config, self.renormalize, False))
-        return RoutingRule("softmax_topk", top_k=top_k, renormalize=renormalize)
+        bias = router.get("e_score_correction_bias")
+        return RoutingRule(self.scoring, top_k=self.config_value(config, self.top_k_keys, layer),
+                           renormalize=renormalize, logit_bias=router.get("bias"),
+                           e_score_correction_bias=None if bias is None else bias.reshape(-1))
 
     def layer_tensor(self, names, layer: int, relative: str) -> str | None:
         """The name among `names` of the tensor `relative` (a regex) inside decoder layer `layer`."""

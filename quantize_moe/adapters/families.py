@@ -7,11 +7,14 @@ there are and which layers are MoE. Layout facts: ../shared/reference/moe-famili
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters.base import PerExpertFamily
 from quantize_moe.adapters.fused import FusedLayout
+from quantize_moe.errors import UserError
 from quantize_moe.moe.routing import RoutingRule
 
 MIXTRAL_PROJECTIONS = {"w1": "w1", "w3": "w3", "w2": "w2"}
@@ -39,8 +42,8 @@ class DeepseekFamily(PerExpertFamily):
         freq = getattr(config, "moe_layer_freq", 1) or 1
         return layer >= first_dense and layer % freq == 0
 
-    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor]) -> RoutingRule:
-        """V3/Kimi-K2 (`noaux_tc`): biased sigmoid with grouped choice; V2: softmax, greedy or group-limited."""
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        """V3/Kimi-K2/GLM-4.5 (`noaux_tc`): biased sigmoid with grouped choice; V2: softmax, greedy or group-limited."""
         common = dict(top_k=config.num_experts_per_tok, n_group=getattr(config, "n_group", 1) or 1,
                       topk_group=getattr(config, "topk_group", 1) or 1,
                       routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0) or 1.0)
@@ -60,6 +63,27 @@ class ErnieFamily(PerExpertFamily):
         end = config.num_hidden_layers - 1 if end is None or end < 0 else end
         return config.moe_layer_start_index <= layer <= end and (layer + 1) % config.moe_layer_interval == 0
 
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        """Softmax; experts chosen by probability plus `moe_statics.e_score_correction_bias`, weights
+        renormalized by a sum of at least `moe_norm_min`."""
+        return replace(super().routing_rule(config, router, layer), norm_min=config.moe_norm_min or 0.0)
+
+
+class PhimoeFamily(PerExpertFamily):
+    """Phi-3.5-MoE: sparsemixer routing, which picks two experts whatever `num_experts_per_tok` says."""
+
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        return RoutingRule("sparsemixer", top_k=2, jitter_eps=config.router_jitter_noise)
+
+
+class DbrxFamily(PerExpertFamily):
+    """DBRX: softmax top-k, renormalized by the `ffn_config.moe_normalize_expert_weights`-norm (if set)."""
+
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        norm_p = config.ffn_config.moe_normalize_expert_weights
+        return RoutingRule("softmax_topk", top_k=config.ffn_config.moe_top_k, renormalize=norm_p is not None,
+                           norm_p=norm_p or 1.0)
+
 
 class JambaFamily(PerExpertFamily):
     """Jamba: MoE every `expert_layer_period` layers from `expert_layer_offset`."""
@@ -74,6 +98,15 @@ class Llama4Family(PerExpertFamily):
     def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
         return layer in config.moe_layers
 
+    def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
+        """Sigmoid of the chosen logit, which scales the expert's input: the fused experts run that by
+        scaling the rows, which is the same function only with one expert per token."""
+        top_k = self.config_value(config.get_text_config(), self.top_k_keys, layer)
+        if top_k != 1:
+            raise UserError(f"This Llama-4 config has num_experts_per_tok {top_k}, but its router weight scales "
+                            "the expert input, which quantize-moe can only run with one expert per token.")
+        return RoutingRule("topk_sigmoid", top_k=1, scales_input=True)
+
 
 MIXTRAL = PerExpertFamily(
     name="Mixtral",
@@ -83,7 +116,7 @@ MIXTRAL = PerExpertFamily(
     routers=(r"block_sparse_moe\.gate",),
 )
 
-PHIMOE = PerExpertFamily(
+PHIMOE = PhimoeFamily(
     name="Phi-3.5-MoE",
     model_types=("phimoe",),
     experts=EXPERTS_W1_W3_W2,
@@ -96,7 +129,8 @@ MINIMAX_M2 = PerExpertFamily(
     model_types=("minimax_m2",),
     experts=EXPERTS_W1_W3_W2,
     projections=MIXTRAL_PROJECTIONS,
-    routers=(r"block_sparse_moe\.gate",),
+    routers=(r"block_sparse_moe\.gate", r"block_sparse_moe"),  # the block holds e_score_correction_bias
+    scoring="grouped_sigmoid",  # in one group: sigmoid, bias-corrected choice, renormalized
 )
 
 QWEN2_MOE = QwenMoEFamily(
@@ -170,7 +204,7 @@ ERNIE4_5_MOE = ErnieFamily(
     model_types=("ernie4_5_moe",),
     experts=EXPERTS_GATE_UP_DOWN,
     projections=LLAMA_PROJECTIONS,
-    routers=(r"mlp\.gate",),
+    routers=(r"mlp\.gate", r"mlp\.moe_statics"),
     shared_experts=(r"mlp\.shared_experts",),
     num_experts_keys=("moe_num_experts",),
     top_k_keys=("moe_k",),
@@ -210,12 +244,13 @@ GRANITE_MOE = PerExpertFamily(
     model_types=("granitemoe", "granitemoeshared", "granitemoehybrid"),
     fused=_GRANITE_EXPERTS,
     routers=(r"block_sparse_moe\.router\.layer",),
+    scoring="topk_softmax",
     shared_experts=(r"shared_mlp",),
     keep_linears=MAMBA,
     fp8_loads_in="vLLM (GraniteMoeShared/Hybrid loaders route input_linear/output_linear weight_scale)",
 )
 
-DBRX = PerExpertFamily(
+DBRX = DbrxFamily(
     name="DBRX",
     model_types=("dbrx",),
     fused=(
@@ -241,6 +276,7 @@ GPT_OSS = PerExpertFamily(
                     bias=True),
     ),
     routers=(r"mlp\.router",),
+    scoring="topk_softmax",  # of the logits plus the router's bias
     activation="swigluoai",
     fp8_loads_in="",
     fp8_refusal="vLLM's gpt-oss loader (GptOssModel._load_weights_other) copies gate_up_proj/down_proj "

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.errors import UserError
 from quantize_moe.formats import read_quantization
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import method_for_spec
@@ -88,6 +89,18 @@ class MoECheckpoint:
                 if scales is not None:
                     moe.weight_loader(params[f"{prefix}_weight_scale"], scales[expert, index % scales.shape[1]],
                                       f"{prefix}_weight_scale", shard_id, expert)
+
+    def load_router(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's router parameters in float32 by parameter name: `weight`, and `bias` or
+        `e_score_correction_bias` where the family has one (the inputs of `family.routing_rule`)."""
+        router = {}
+        for name, info in self.checkpoint.tensors.items():
+            role = self.family.role(name, len(info.shape))
+            if role.kind == Kind.ROUTER and role.layer == layer:
+                router[name.rpartition(".")[2]] = self.checkpoint.get(name).float()
+        if "weight" not in router:
+            raise UserError(f"No router weight found for MoE layer {layer} in '{self.checkpoint.folder}'.")
+        return router
 
     def load_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(w13_bias [E, 2I] gate then up, w2_bias [E, H]) of a family with expert biases (gpt-oss)."""
