@@ -93,7 +93,7 @@ def _hidden_states(moe: MoECheckpoint, layer: int, tokens: int, seed: int, file:
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed * 100_003 + layer))
     norm = moe.family.layer_tensor(moe.checkpoint.tensors, layer, rf"{moe.family.moe_input_norm}\.weight")
     if norm is not None:
-        x = x * moe.checkpoint.get(norm).float()
+        x = x * (moe.checkpoint.get(norm).float() + float(moe.family.zero_centered_norm))
     return x.to(device, torch.bfloat16)
 
 

@@ -11,8 +11,12 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from quantize_moe import fp8
+from quantize_moe.adapters import adapter_for
 from quantize_moe.cli import app
+from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.plan import Plan
 from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.tiny import TINY_CONFIGS
 from quantize_moe.validate import validate
 
 runner = CliRunner()
@@ -96,9 +100,33 @@ def test_real_hidden_states_from_a_file(mixtral_pair, tmp_path):
     assert result.exit_code == 1 and "neither 'layers.0' nor 'hidden_states'" in " ".join(result.output.split())
 
 
-def test_validate_every_family(tiny_checkpoint, tmp_path):
-    for model_type in ("qwen2_moe", "deepseek_v3", "deepseek_v2"):
-        src = tiny_checkpoint(model_type)
-        quantize_checkpoint(src, tmp_path / model_type, show_progress=False)
-        report = validate(src, tmp_path / model_type, tokens=128)
-        assert report.passed and report.layers, model_type
+WRITTEN = [t for t in sorted(TINY_CONFIGS) if not adapter_for({"model_type": t}).fp8_refusal]
+
+
+@pytest.mark.parametrize("model_type", WRITTEN)
+def test_every_family_quantize_writes_passes(model_type, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint(model_type)
+    quantize_checkpoint(src, tmp_path / "fp8", show_progress=False)
+    report = validate(src, tmp_path / "fp8", tokens=128)
+    assert report.layers and report.passed, report.layers
+    assert all(0.01 < r.relative_error and r.experts_with_tokens > 1 for r in report.layers)
+    moe = MoECheckpoint.open(src)  # drawn hidden states get the RMS of the norm in front of the block
+    assert all(moe.family.layer_tensor(moe.checkpoint.tensors, layer, rf"{moe.family.moe_input_norm}\.weight")
+               for layer in moe.layers)
+
+
+def test_llama4_router_weight_scales_the_expert_input(tiny_checkpoint, tmp_path, monkeypatch):
+    """quantize refuses Llama-4 (no engine loads its fused FP8 experts); an FP8 Llama-4 made anyway validates,
+    its top-1 sigmoid weight applied to the expert input as transformers applies it."""
+    src = tiny_checkpoint("llama4_text")
+    monkeypatch.setattr(Plan, "check_loadable", lambda plan: None)
+    quantize_checkpoint(src, tmp_path / "fp8", show_progress=False)
+    report = validate(src, tmp_path / "fp8", tokens=128)
+    assert report.layers and report.passed, report.layers
+
+
+def test_gpt_oss_refused(tiny_checkpoint):
+    src = tiny_checkpoint("gpt_oss")
+    result = runner.invoke(app, ["validate", str(src), str(src)])
+    assert result.exit_code == 1
+    assert "gpt-oss checkpoint, which validate cannot check" in " ".join(result.output.split())

@@ -83,7 +83,8 @@ class PerExpertFamily:
     # (False) or as the named config flag says.
     scoring: Scoring = "softmax_topk"
     renormalize: bool | str = True
-    moe_input_norm: str = "post_attention_layernorm"  # the RMSNorm whose output enters the MoE block
+    moe_input_norm: str = "post_attention_layernorm"  # the norm whose output enters the MoE block
+    zero_centered_norm: bool = False  # that norm multiplies by 1 + weight (Qwen3-Next), not by weight
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

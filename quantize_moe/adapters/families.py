@@ -177,6 +177,7 @@ QWEN3_NEXT = QwenMoEFamily(
                   *LINEAR_ATTENTION),
     num_experts_keys=("num_experts",),
     renormalize="norm_topk_prob",
+    zero_centered_norm=True,
 )
 
 GLM4_MOE = DeepseekFamily(
@@ -230,6 +231,7 @@ JAMBA = JambaFamily(
     keep_linears=MAMBA,
     num_experts_keys=("num_experts",),
     renormalize=False,
+    moe_input_norm=r"pre_ff_layernorm",
 )
 
 # vLLM's GraniteMoe(Shared|Hybrid) loaders split `input_linear.weight_scale` like the weight:
@@ -260,6 +262,7 @@ DBRX = DbrxFamily(
     ),
     routers=(r"ffn\.router\.layer",),
     layers=r"transformer\.blocks",
+    moe_input_norm=r"norm_attn_norm\.norm_2",
     num_experts_keys=("ffn_config.moe_num_experts",),
     expert_width_keys=("ffn_config.ffn_hidden_size",),
     top_k_keys=("ffn_config.moe_top_k",),
