@@ -5,14 +5,19 @@ on float32 logits (tests compare against transformers' own modules and MoE
 blocks), and returns float32 weights and int32 expert ids, the inputs of
 `fused_experts`.
 
-| scoring         | families                                   | weights                                        |
-|-----------------|--------------------------------------------|------------------------------------------------|
-| softmax_topk    | Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, Jamba, Hunyuan, DBRX, ERNIE-4.5 | softmax over all experts, top-k (ERNIE: of the bias-corrected probabilities), renormalize? (DBRX: by a p-norm) |
-| grouped_softmax | DeepSeek-V2                                | softmax; groups ranked by their best expert    |
-| grouped_sigmoid | DeepSeek-V3, Kimi-K2, GLM-4.5, MiniMax-M2 (one group) | sigmoid; bias-corrected grouped choice |
-| topk_softmax    | GraniteMoE (Shared, Hybrid), gpt-oss       | top-k of the (biased) logits, softmax of those |
-| topk_sigmoid    | Llama-4                                    | sigmoid of the chosen logits, scales the input |
-| sparsemixer     | Phi-3.5-MoE                                | two rounds of argmax; each a softmax over the experts within a relative margin of the winner |
+| scoring         | families                                    | weights                                       |
+|-----------------|---------------------------------------------|-----------------------------------------------|
+| softmax_topk    | Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE,    | softmax over all experts, top-k, renormalize? |
+|                 | Jamba, Hunyuan; DBRX (p-norm); ERNIE-4.5    | ERNIE: chosen by probability + correction     |
+|                 |                                             | bias, sum clamped to `moe_norm_min`           |
+| grouped_softmax | DeepSeek-V2                                 | softmax; groups ranked by their best expert   |
+| grouped_sigmoid | DeepSeek-V3, Kimi-K2, GLM-4.5; MiniMax-M2   | sigmoid; bias-corrected grouped choice        |
+|                 | (one group)                                 |                                               |
+| topk_softmax    | GraniteMoE (Shared, Hybrid), gpt-oss        | top-k of the (biased) logits, their softmax   |
+| topk_sigmoid    | Llama-4                                     | sigmoid of the chosen logit, on the input     |
+| sparsemixer     | Phi-3.5-MoE                                 | best expert, then best of the rest; each a    |
+|                 |                                             | softmax over the experts within a relative    |
+|                 |                                             | margin of that round's winner                 |
 
 Llama-4 multiplies the router weight into the expert *input*, not its
 output; with a SiLU MLP that is a different function, so `expert_inputs`
@@ -25,7 +30,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-Scoring = Literal["softmax_topk", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "topk_sigmoid", "sparsemixer"]
+Scoring = Literal["softmax_topk", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "topk_sigmoid",
+                  "sparsemixer"]
 
 
 @dataclass(frozen=True)
