@@ -24,7 +24,7 @@ def _row_chunks(rows: int, cols: int):
         yield start, min(rows, start + step)
 
 
-def _non_finite(name: str) -> UserError:
+def non_finite(name: str) -> UserError:
     return UserError(f"Tensor '{name}' contains NaN or Inf values; the checkpoint is corrupt or "
                      "was saved after a diverged training step, so it cannot be quantized.")
 
@@ -33,7 +33,7 @@ def finite_range(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.T
     """Smallest and largest value of a non-empty `weight`; NaN or Inf is an error naming the tensor."""
     low, high = torch.aminmax(weight)
     if not (torch.isfinite(low) and torch.isfinite(high)):
-        raise _non_finite(name)
+        raise non_finite(name)
     return low, high
 
 
@@ -52,7 +52,38 @@ def row_amax(weight: torch.Tensor, name: str) -> torch.Tensor:
         low, high = torch.aminmax(weight[start:end], dim=1)
         out[start:end] = torch.maximum(-low, high).float()
     if not torch.isfinite(out).all():
-        raise _non_finite(name)
+        raise non_finite(name)
+    return out
+
+
+def grid_shape(shape: tuple[int, int], cell: tuple[int, int]) -> tuple[int, int]:
+    """Scales over a `[rows, cols]` weight when one scale covers a `cell` of `[cell_rows, cell_cols]`
+    (edge cells may be smaller)."""
+    return -(-shape[0] // cell[0]), -(-shape[1] // cell[1])
+
+
+def grid_amax(weight: torch.Tensor, cell: tuple[int, int], name: str) -> torch.Tensor:
+    """Largest magnitude of each cell, float32 `grid_shape(weight.shape, cell)`.
+
+    The whole-tensor and per-row cases use `aminmax`, several times faster than
+    the two reductions a general block needs."""
+    rows, cols = weight.shape
+    cell_rows, cell_cols = cell
+    if cell_rows >= rows and cell_cols >= cols:
+        return amax(weight, name).reshape(1, 1)
+    if cell_rows == 1 and cell_cols >= cols:
+        return row_amax(weight, name)[:, None]
+    out = torch.empty(grid_shape(weight.shape, cell), dtype=torch.float32)
+    full = cols // cell_cols
+    for r in range(out.shape[0]):  # one row of cells at a time: no whole-tensor temporaries
+        band = weight[r * cell_rows:(r + 1) * cell_rows]
+        if full:
+            cells = band[:, :full * cell_cols].unflatten(1, (full, cell_cols))
+            out[r, :full] = torch.maximum(cells.amax(dim=(0, 2)).float(), cells.amin(dim=(0, 2)).float().neg())
+        if cols % cell_cols:
+            out[r, full] = amax(band[:, full * cell_cols:], name)
+    if not torch.isfinite(out).all():
+        raise non_finite(name)
     return out
 
 
@@ -65,16 +96,45 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
 def quantize(weight: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """Quantize a 2-D weight; `row_scale` is a scalar or one float32 scale per row."""
     rows, cols = weight.shape
-    out = torch.empty((rows, cols), dtype=FP8_DTYPE)
-    per_row = row_scale.dim() > 0
+    if row_scale.dim() > 0:
+        return quantize_grid(weight, row_scale.reshape(rows, 1), (1, cols))
+    return quantize_grid(weight, row_scale.reshape(1, 1), (rows, cols))
+
+
+def quantize_grid(weight: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize a 2-D weight with one float32 scale per `cell` (`scale` has `grid_shape`), into `out`
+    when given. Row chunks start on cell boundaries, so each sees whole rows of cells."""
+    rows, cols = weight.shape
+    cell_rows, cell_cols = min(cell[0], rows), min(cell[1], cols)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=FP8_DTYPE)
+    full = cols // cell_cols
+    step = max(1, CHUNK_ELEMENTS // cols)
+    if cell_rows <= step:
+        step -= step % cell_rows
     # One float32 buffer reused for every chunk; the source (possibly a read-only mmap) is never written.
-    buffer = torch.empty(min(rows, max(1, CHUNK_ELEMENTS // max(cols, 1))), cols, dtype=torch.float32)
-    for start, end in _row_chunks(rows, cols):
-        scale = row_scale[start:end, None] if per_row else row_scale
-        chunk = buffer[:end - start]
-        chunk.copy_(weight[start:end]).div_(scale).clamp_(-FP8_MAX, FP8_MAX)
-        out[start:end].copy_(chunk)
+    buffer = torch.empty(min(rows, step), cols, dtype=torch.float32)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        chunk = buffer[:end - start].copy_(weight[start:end])
+        row_scales = scale[torch.arange(start, end) // cell_rows]  # [chunk rows, cells per row]
+        chunk[:, :full * cell_cols].unflatten(1, (full, cell_cols)).div_(row_scales[:, :full, None])
+        if cols % cell_cols:
+            chunk[:, full * cell_cols:].div_(row_scales[:, full:])
+        out[start:end].copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
     return out
+
+
+def quantize_cells(weight: torch.Tensor, cell: tuple[int, int], out: torch.Tensor, name: str,
+                   amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize a 2-D weight into `out` with one scale per cell; returns the scales (`grid_shape`).
+    `amax` is given when a group shares it, else it is the weight's own."""
+    if amax is None:
+        amax = grid_amax(weight, cell, name)
+    scale = scale_from_amax(amax)
+    quantize_grid(weight, scale, cell, out)
+    return scale
 
 
 def dequantize(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,8 +1,15 @@
 """Quantization schemes: how scales are laid over a weight, and how a group shares them.
 
+A scheme is a cell shape (the part of a 2-D weight one scale covers) and
+whether a group of weights shares its scales. The arithmetic lives in a
+backend with one function, `quantize_cells` (`quantize_moe.fp8` on the CPU,
+`quantize_moe.cuda_quant` on a GPU), so every backend quantizes bit-identically.
+
 The gate and up projections of one expert are quantized as a group: under the
 per-tensor scheme they share one scale (the max of their amax), which makes vLLM's
-load-time max-requantization of w13 exact instead of a second rounding.
+load-time max-requantization of w13 exact instead of a second rounding. Per-channel
+and block scales are concatenated as they are when engines fuse w13, so those
+schemes share nothing.
 """
 
 from __future__ import annotations
@@ -21,20 +28,53 @@ class QuantizedWeight:
     scale: torch.Tensor  # float32, shape `Scheme.scale_shape(weight.shape)`
 
 
-class PerTensorScheme:
+class Scheme:
+    name: str
+    moe_spec: MoEQuantSpec
+    shares_group_scale: bool
+
+    def cell(self, shape: tuple[int, int]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return fp8.grid_shape(shape, self.cell(shape))
+
+    def quantize_group_into(self, named_weights: list[tuple[str, torch.Tensor]], outs: list[torch.Tensor],
+                            backend=fp8) -> list[torch.Tensor]:
+        """Quantize weights that form one group into the fp8 tensors `outs`; returns their scales,
+        float32 in `fp8.grid_shape` (reshape to `scale_shape` for the disk)."""
+        group_amax = None
+        if self.shares_group_scale:
+            group_amax = torch.stack([backend.grid_amax(w, self.cell(w.shape), name)
+                                      for name, w in named_weights]).amax(dim=0)
+        return [backend.quantize_cells(w, self.cell(w.shape), out, name, group_amax)
+                for (name, w), out in zip(named_weights, outs)]
+
+    def quantize_group(self, named_weights: list[tuple[str, torch.Tensor]]) -> list[QuantizedWeight]:
+        """The CPU path with freshly allocated outputs."""
+        outs = [torch.empty(w.shape, dtype=fp8.FP8_DTYPE) for _, w in named_weights]
+        scales = self.quantize_group_into(named_weights, outs)
+        return [QuantizedWeight(q, s.reshape(self.scale_shape(q.shape))) for q, s in zip(outs, scales)]
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        cell_rows, cell_cols = self.cell(q.shape)
+        grid = scale.reshape(fp8.grid_shape(q.shape, (cell_rows, cell_cols)))
+        full = grid.repeat_interleave(cell_rows, 0).repeat_interleave(cell_cols, 1)
+        return q.float() * full[:q.shape[0], :q.shape[1]]
+
+
+class PerTensorScheme(Scheme):
     """One float32 scale per weight (per expert and projection)."""
 
     name = "tensor"
     moe_spec = MoEQuantSpec(weight="tensor", activation="token")
+    shares_group_scale = True
 
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def cell(self, shape):
+        return tuple(shape)
+
+    def scale_shape(self, shape):
         return ()
-
-    def quantize_group(self, named_weights: list[tuple[str, torch.Tensor]]) -> list[QuantizedWeight]:
-        """Quantize weights that must share one scale (gate and up of one expert)."""
-        group_amax = torch.stack([fp8.amax(w, name) for name, w in named_weights]).max()
-        scale = fp8.scale_from_amax(group_amax)
-        return [QuantizedWeight(fp8.quantize(w, scale), scale.clone()) for _, w in named_weights]
 
     def quantize_experts(self, named_weights: list[tuple[str, torch.Tensor]],
                          num_experts: int) -> list[QuantizedWeight]:
@@ -46,8 +86,28 @@ class PerTensorScheme:
         return [QuantizedWeight(fp8.quantize(w, scale).reshape(original.shape), scale.clone())
                 for (_, w), (_, original) in zip(per_expert, named_weights)]
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fp8.dequantize(q, scale)
+
+class PerChannelScheme(Scheme):
+    """One float32 scale per output channel (row), `[rows, 1]`."""
+
+    name = "channel"
+    moe_spec = MoEQuantSpec(weight="channel", activation="token")
+    shares_group_scale = False
+
+    def cell(self, shape):
+        return 1, shape[1]
 
 
-SCHEMES = {scheme.name: scheme for scheme in (PerTensorScheme(),)}
+class BlockScheme(Scheme):
+    """One float32 scale per 128x128 block, `[ceil(rows/128), ceil(cols/128)]` (DeepSeek-V3 style)."""
+
+    name = "block"
+    block = (128, 128)
+    moe_spec = MoEQuantSpec(weight="block", activation="group", block_shape=block)
+    shares_group_scale = False
+
+    def cell(self, shape):
+        return self.block
+
+
+SCHEMES = {scheme.name: scheme for scheme in (PerTensorScheme(), PerChannelScheme(), BlockScheme())}
