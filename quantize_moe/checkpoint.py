@@ -83,6 +83,9 @@ class Checkpoint:
     """A checkpoint folder: config.json plus sharded or single-file safetensors (or, with
     `allow_pickle`, torch pickle shards loaded weights-only)."""
 
+    # Shards stay on local disk for the whole run, so their bytes may be read directly (pread).
+    shards_stay_local = True
+
     def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False):
         self.folder = Path(folder)
         if not self.folder.is_dir():

@@ -77,6 +77,11 @@ def quantize(
                                               "instead of caching the whole model.")] = False,
     push_to_hub: Annotated[str | None, typer.Option(help="Then upload DST to this Hub repo (org/name).")] = None,
     private: Private = False,
+    device: Annotated[str, typer.Option("--device", "--devices",
+                                        help="Where to quantize: cpu, cuda, or several GPUs as cuda:0,cuda:1."
+                                        )] = "cpu",
+    workers: Annotated[int | None, typer.Option(help="Work items in flight at once, spread over the "
+                                                "devices [default: one per core on cpu, 3 per GPU].")] = None,
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
     a manifest of every file's size and sha256, a model card, and every other file of SRC unchanged."""
@@ -87,7 +92,8 @@ def quantize(
     options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size))
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
-                                      show_progress=progress)
+                                      show_progress=progress, device=device,
+                                      workers=workers)
         record_run(dst, checkpoint, src, options)
     write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan))

@@ -90,6 +90,8 @@ class StreamedCheckpoint(Checkpoint):
     in the cache are read there and left alone.
     """
 
+    shards_stay_local = False  # read through `get`, which frees each shard after its last tensor
+
     def __init__(self, snapshot: Path, source: HubSource, commit: str, headers: dict[str, TensorInfo],
                  sizes: dict[str, int], scratch: Path):
         self.source, self.commit, self.scratch, self._headers, self._sizes = source, commit, scratch, headers, sizes

@@ -1,8 +1,8 @@
 """The main job: stream a checkpoint through the plan and write the FP8 checkpoint.
 
-Tensors are memory-mapped from the shards and processed one work item (one
-scale group, e.g. gate and up of one expert) at a time; only the output shard
-being assembled is held in memory. Everything that can be checked without
+The engine (`quantize_moe.engine`) holds a few work items (scale groups, e.g.
+gate and up of one expert) in memory at a time, never a whole shard, and writes
+them in place into their shards. Everything that can be checked without
 reading tensor data (SRC, the plan, DST, free space) is checked before the
 first byte is written; finished shards are recorded in the manifest so a
 killed run continues with `resume`.
@@ -14,15 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from quantize_moe import fp8
+from quantize_moe import engine
 from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.console import byte_progress
 from quantize_moe.manifest import Manifest, run_fingerprint
 from quantize_moe.output import (check_destination, check_free_space, copy_extra_files, extra_files,
-                                 prepare_destination, replaced_files, write_json, write_shard)
-from quantize_moe.plan import Options, Plan, WorkItem, make_plan
+                                 prepare_destination, replaced_files, write_json)
+from quantize_moe.errors import UserError
+from quantize_moe.plan import Options, Plan, make_plan
 
 # Generous bound on the bytes one tensor adds to its shard's safetensors header and to the index,
 # beyond its name: free space is checked against payload plus this.
@@ -34,29 +33,6 @@ class RunSummary:
     plan: Plan
     seconds: float
     copied_files: list[str]
-
-
-def produce(plan: Plan, item: WorkItem) -> dict[str, torch.Tensor]:
-    """The output tensors of one work item, named as `item.outputs` lists them."""
-    sources = [(name, plan.source.get(name)) for name in item.sources]
-    if not item.quantize:  # FP8 tensors of a pre-quantized SRC that stay high precision become bf16
-        for name, tensor in sources:
-            if tensor.is_floating_point() and tensor.numel():
-                fp8.finite_range(tensor, name)
-        return {out.name: tensor.to(out.dtype) for (_, tensor), out in zip(sources, item.outputs)}
-    out = {}
-    role = plan.decisions[item.sources[0]].role
-    if role.fused is None:
-        quantized = plan.scheme.quantize_group(sources)
-    else:
-        quantized = plan.scheme.quantize_experts(sources, plan.moe_layer(role.layer).num_experts)
-    for q, weight_out, scale_out in zip(quantized, item.outputs[0::2], item.outputs[1::2]):
-        out[weight_out.name] = q.weight
-        scale = q.scale.to(scale_out.dtype)
-        if role.fused is not None:  # [E] -> [E, shards]: the shards of one expert share its scale
-            scale = scale.reshape(-1, *[1] * (len(scale_out.shape) - 1)).expand(scale_out.shape)
-        out[scale_out.name] = scale.reshape(scale_out.shape).contiguous()
-    return out
 
 
 def output_bytes(plan: Plan, extras: list[str]) -> int:
@@ -71,9 +47,14 @@ def output_bytes(plan: Plan, extras: list[str]) -> int:
 
 def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: Options = Options(), *,
                         overwrite: bool = False, resume: bool = False, allow_pickle: bool = False,
-                        show_progress: bool = True) -> RunSummary:
-    """SRC is a folder or an opened Checkpoint (e.g. one streamed from the Hub)."""
+                        show_progress: bool = True, device: str = "cpu", workers: int | None = None) -> RunSummary:
+    """SRC is a folder or an opened Checkpoint (e.g. one streamed from the Hub). Quantizes on `device`
+    (cpu, cuda, or cuda:0,cuda:1,...) with `workers` items in flight (default: one per core on the
+    CPU, a few per GPU)."""
     start = time.perf_counter()
+    devices = engine.parse_devices(device)
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers {workers} must be at least 1.")
     checkpoint = src if isinstance(src, Checkpoint) else Checkpoint(src, allow_pickle=allow_pickle)
     src, dst = checkpoint.folder, Path(dst)
     plan = make_plan(checkpoint, options)
@@ -86,20 +67,16 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     prepare_destination(dst, overwrite=overwrite)
     manifest.save()
 
-    weight_map = {}
+    finished = {name for name in plan.shard_names if manifest.matches(name)}
     with byte_progress(show_progress) as progress:
         task = progress.add_task("quantizing", total=sum(i.input_bytes for i in plan.items))
-        for shard_name, items in zip(plan.shard_names, plan.shards):
-            weight_map.update({o.name: shard_name for item in items for o in item.outputs})
-            if manifest.matches(shard_name):
-                progress.advance(task, sum(item.input_bytes for item in items))
-                continue
-            tensors: dict[str, torch.Tensor] = {}
-            for item in items:
-                tensors.update(produce(plan, item))
-                progress.advance(task, item.input_bytes)
-            write_shard(dst / shard_name, tensors)
-            manifest.record(shard_name)
+        progress.advance(task, sum(item.input_bytes for name, items in zip(plan.shard_names, plan.shards)
+                                   if name in finished for item in items))
+        engine.run(plan, dst, devices, workers or engine.default_workers(devices), skip=finished,
+                   on_item_done=lambda item: progress.advance(task, item.input_bytes),
+                   on_shard_finished=manifest.record)
+    weight_map = {o.name: name for name, items in zip(plan.shard_names, plan.shards)
+                  for item in items for o in item.outputs}
 
     copy_extra_files(checkpoint, dst, extras)
     written = [*extras, CONFIG_NAME]
@@ -112,4 +89,4 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     return RunSummary(plan, time.perf_counter() - start, extras)
 
 
-__all__ = ["Options", "RunSummary", "produce", "quantize_checkpoint"]
+__all__ = ["Options", "RunSummary", "quantize_checkpoint"]
