@@ -30,7 +30,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -245,18 +245,6 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
         shard.write(scale_out.name, scale)
 
 
-@contextmanager
-def _cpu_threads(devices: list[torch.device], workers: int):
-    """Split the CPU's threads among CPU workers, so they run side by side instead of contending."""
-    before = torch.get_num_threads()
-    if devices[0].type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, skip: set[str] = frozenset(),
         on_item_done: Callable[[WorkItem], None] = lambda item: None,
         on_shard_finished: Callable[[str], None] = lambda name: None) -> None:
@@ -272,6 +260,9 @@ def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, ski
     take, failed = threading.Lock(), threading.Event()
 
     def work(worker: Worker) -> None:
+        # torch's intra-op thread count is per thread: split the cores among the workers instead of
+        # letting each spin up a team for every chunk.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
         while not failed.is_set():
@@ -288,7 +279,7 @@ def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, ski
             on_item_done(item)
 
     try:
-        with _cpu_threads(devices, workers), ThreadPoolExecutor(workers, "quantize") as executor:
+        with ThreadPoolExecutor(workers, "quantize") as executor:
             for future in [executor.submit(work, worker) for worker in pool]:
                 future.result()
     except BaseException:

@@ -15,6 +15,7 @@ no gaps and ends the file.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -25,6 +26,8 @@ from safetensors import TensorSpec, safe_open, serialize_file
 
 from quantize_moe.output import PARTIAL_SUFFIX
 from quantize_moe.plan import OutputTensor
+
+COPY_BUFFER_BYTES = 64 << 20
 
 
 def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
@@ -61,12 +64,23 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy bytes file to file inside the kernel: they never enter this process's memory."""
-    while count:
-        n = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
-        if n == 0:
-            raise EOFError(f"source ended {count} bytes early at offset {src_offset}")
-        src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
+    """Copy bytes file to file inside the kernel, so they never enter this process's memory; across
+    file systems that refuse `copy_file_range`, through a bounded buffer."""
+    try:
+        while count:
+            n = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+            if n == 0:
+                raise EOFError(f"source ended {count} bytes early at offset {src_offset}")
+            src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        buffer = torch.empty(min(count, COPY_BUFFER_BYTES), dtype=torch.uint8)
+        while count:
+            chunk = buffer[:min(count, len(buffer))]
+            read_into(src_fd, src_offset, chunk)
+            write_at(dst_fd, dst_offset, chunk)
+            src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
 
 
 class ShardFile:

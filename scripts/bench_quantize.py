@@ -1,0 +1,128 @@
+"""Time quantize-moe against llm-compressor's `model_free_ptq` and against the disk, and print a table.
+
+Every run is a separate process on a warm page cache (each checkpoint is read
+once before its runs); wall time and the peak RSS of that process (from
+`wait4`) are recorded. Pairs: our per-channel scheme vs llm-compressor's
+FP8_DYNAMIC, our block scheme vs its FP8_BLOCK. llm-compressor runs from its
+own virtual environment (--llmc-python), never from this project's.
+
+    python scripts/bench_quantize.py /work/bench-data/mixtral-n2 --llmc-python /work/llmc-venv/bin/python \\
+        --memory /work/bench-data/mixtral-n8 --out /work/bench-data/out
+    python scripts/bench_quantize.py CKPT --device cuda --disk-rate     # on a GPU machine
+
+--disk-rate writes as many bytes as our output with a plain `dd`, with and
+without fsync, to compare our throughput with what the disk can write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+LLMC_SCHEME = {"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}
+LLMC_SNIPPET = ("import sys; from llmcompressor import model_free_ptq; "
+                "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['lm_head', 're:.*embed_tokens$', 're:.*block_sparse_moe.gate$'])")
+OURS_SNIPPET = ("import sys; from quantize_moe.plan import Options; from quantize_moe.quantize import "
+                "quantize_checkpoint; quantize_checkpoint(sys.argv[1], sys.argv[2], Options(scheme=sys.argv[3]), "
+                "overwrite=True, show_progress=False, device=sys.argv[4], workers=int(sys.argv[5]) or None)")
+
+
+def measure(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GB) of one process."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(command)}")
+    return seconds, usage.ru_maxrss * 1024 / 1e9
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def warm(folder: Path) -> None:
+    for path in folder.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            while f.read(1 << 26):
+                pass
+
+
+def ours(src: Path, dst: Path, scheme: str, device: str, workers: int) -> list[str]:
+    return [sys.executable, "-c", OURS_SNIPPET, str(src), str(dst), scheme, device, str(workers)]
+
+
+def disk_rate(dst: Path, nbytes: int, fsync: bool) -> float:
+    """GB/s of a plain sequential write of `nbytes` into `dst`."""
+    target = dst / "dd.bin"
+    command = ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={-(-nbytes // (64 << 20))}"]
+    start = time.perf_counter()
+    subprocess.run(command + (["conv=fsync"] if fsync else []), check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    target.unlink()
+    return nbytes / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-quantize-out"))
+    parser.add_argument("--schemes", default="channel,block")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", type=int, default=0, help="0: the engine's default")
+    parser.add_argument("--llmc-python", help="python of a virtual environment with llmcompressor")
+    parser.add_argument("--memory", type=Path, nargs="*", default=[],
+                        help="larger checkpoints to quantize too (peak RSS must not grow with the model)")
+    parser.add_argument("--disk-rate", action="store_true")
+    args = parser.parse_args()
+
+    table = Table(title=f"quantize {args.checkpoint.name} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
+    for column in ("tool", "scheme", "device", "input GB", "wall s", "input GB/s", "output GB/s", "peak RSS GB"):
+        table.add_column(column)
+    input_bytes = folder_bytes(args.checkpoint)
+
+    def add(tool, scheme, device, source_bytes, seconds, rss, dst):
+        out_bytes = folder_bytes(dst)
+        table.add_row(tool, scheme, device, f"{source_bytes / 1e9:.2f}", f"{seconds:.1f}",
+                      f"{source_bytes / seconds / 1e9:.2f}", f"{out_bytes / seconds / 1e9:.2f}", f"{rss:.2f}")
+        Console(stderr=True).print(f"{tool} {scheme} {device}: {seconds:.1f} s, {rss:.2f} GB")
+        return out_bytes
+
+    warm(args.checkpoint)
+    out_bytes = 0
+    for scheme in args.schemes.split(","):
+        dst = args.out / f"ours-{scheme}"
+        seconds, rss = measure(ours(args.checkpoint, dst, scheme, args.device, args.workers))
+        out_bytes = add("quantize-moe", scheme, args.device, input_bytes, seconds, rss, dst)
+        shutil.rmtree(dst)
+        if args.llmc_python:
+            dst = args.out / f"llmc-{scheme}"
+            seconds, rss = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
+                                    LLMC_SCHEME[scheme]])
+            add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, seconds, rss, dst)
+            shutil.rmtree(dst)
+    for folder in args.memory:
+        scheme = args.schemes.split(",")[0]
+        dst = args.out / f"ours-{folder.name}"
+        seconds, rss = measure(ours(folder, dst, scheme, args.device, args.workers))
+        add("quantize-moe", scheme, args.device, folder_bytes(folder), seconds, rss, dst)
+        shutil.rmtree(dst)
+    Console().print(table)
+    if args.disk_rate:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for fsync in (False, True):
+            print(f"dd of {out_bytes / 1e9:.2f} GB{' + fsync' if fsync else ''}: "
+                  f"{disk_rate(args.out, out_bytes, fsync):.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
