@@ -1,0 +1,103 @@
+"""The pipelined engine: byte-identical output for any number of workers, in-place shard files,
+every scheme end to end, and no partial output after a failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantize_moe import fp8
+from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.errors import UserError
+from quantize_moe.plan import Options, OutputTensor
+from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.schemes import SCHEMES
+from quantize_moe.tensor_files import ShardFile, data_offsets, read_into
+
+SMALL_SHARDS = 60_000
+
+
+def shard_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
+def test_shard_file_filled_in_place_equals_save_file(tmp_path):
+    tensors = {"b.weight": torch.randn(5, 7).to(fp8.FP8_DTYPE), "a.weight_scale": torch.tensor(3.0),
+               "c": torch.randn(3, 2, dtype=torch.bfloat16), "empty": torch.empty(0)}
+    shard = ShardFile(tmp_path / "in-place.safetensors",
+                      [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    assert (tmp_path / "in-place.safetensors.partial").exists()
+    for name in ["c", "empty", "a.weight_scale", "b.weight"]:  # any order
+        shard.write(name, tensors[name])
+    shard.finish()
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "in-place.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_data_offsets_locate_every_tensor(tiny_checkpoint):
+    checkpoint = Checkpoint(tiny_checkpoint("mixtral", max_shard_size="20KB"))
+    for file in checkpoint.shard_files:
+        infos = {n: i for n, i in checkpoint.tensors.items() if i.file == file}
+        offsets = data_offsets(checkpoint.folder / file, {n: i.nbytes for n, i in infos.items()})
+        with open(checkpoint.folder / file, "rb") as f:
+            for name, info in infos.items():
+                read = torch.empty(info.shape, dtype=info.dtype)
+                read_into(f.fileno(), offsets[name], read)
+                assert torch.equal(read, checkpoint.get(name)), name
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_output_is_identical_for_any_number_of_workers(tiny_checkpoint, tmp_path, scheme):
+    src = tiny_checkpoint("mixtral")
+    outputs = []
+    for workers in (1, 3):
+        dst = tmp_path / f"workers-{workers}"
+        quantize_checkpoint(src, dst, Options(scheme=scheme, max_shard_size=SMALL_SHARDS), workers=workers,
+                            show_progress=False)
+        outputs.append(shard_bytes(dst))
+    assert len(outputs[0]) > 1 and outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_channel_and_block_schemes_round_within_fp8(tiny_checkpoint, tmp_path, scheme):
+    src = tiny_checkpoint("qwen3_moe")
+    summary = quantize_checkpoint(src, tmp_path, Options(scheme=scheme), show_progress=False)
+    before, after = Checkpoint(src), Checkpoint(tmp_path)
+    for name, decision in summary.plan.decisions.items():
+        if decision.quantize:
+            w, q = before.get(name), after.get(name)
+            scale = after.get(name.removesuffix(".weight") + ".weight_scale")
+            assert q.dtype == fp8.FP8_DTYPE and tuple(scale.shape) == SCHEMES[scheme].scale_shape(w.shape)
+            cell = SCHEMES[scheme].cell(w.shape)
+            full_scale = scale.reshape(fp8.grid_shape(w.shape, cell)).repeat_interleave(cell[0], 0) \
+                .repeat_interleave(cell[1], 1)[:w.shape[0], :w.shape[1]]
+            error = (SCHEMES[scheme].dequantize(q, scale) - w.float()).abs()
+            assert (error <= fp8.rounding_bound(w, full_scale)).all(), name
+
+
+def test_failure_leaves_no_shards(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("mixtral")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in src.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    checkpoint = Checkpoint(broken)
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    info = checkpoint.tensors[name]
+    tensors = {n: checkpoint.get(n).clone() for n, i in checkpoint.tensors.items() if i.file == info.file}
+    tensors[name][0, 0] = float("nan")
+    checkpoint.close()
+    save_file(tensors, broken / info.file, metadata={"format": "pt"})
+    dst = tmp_path / "out"
+    with pytest.raises(UserError, match=f"'{name}' contains NaN"):
+        quantize_checkpoint(broken, dst, Options(max_shard_size=SMALL_SHARDS), workers=2, show_progress=False)
+    assert not list(dst.glob("*.partial")) and not (dst / "config.json").exists()
+
+
+def test_unknown_device_is_a_user_error(tiny_checkpoint, tmp_path):
+    with pytest.raises(UserError, match="--device"):
+        quantize_checkpoint(tiny_checkpoint("mixtral"), tmp_path, device="tpu", show_progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--device cuda:0 is not available"):
+            quantize_checkpoint(tiny_checkpoint("mixtral"), tmp_path, device="cuda:0", show_progress=False)
