@@ -29,21 +29,24 @@ from rich.table import Table
 
 LLMC_SCHEME = {"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}
 LLMC_SNIPPET = ("import sys; from llmcompressor import model_free_ptq; "
-                "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['lm_head', 're:.*embed_tokens$', 're:.*block_sparse_moe.gate$'])")
+                "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], "
+                "ignore=['lm_head', 're:.*embed_tokens$', 're:.*block_sparse_moe.gate$'])")
 OURS_SNIPPET = ("import sys; from quantize_moe.plan import Options; from quantize_moe.quantize import "
                 "quantize_checkpoint; quantize_checkpoint(sys.argv[1], sys.argv[2], Options(scheme=sys.argv[3]), "
                 "overwrite=True, show_progress=False, device=sys.argv[4], workers=int(sys.argv[5]) or None)")
 
 
-def measure(command: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in GB) of one process."""
+def measure(command: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, seconds of the `sync` after it, peak RSS in GB) of one process."""
+    os.sync()
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(command)}")
-    return seconds, usage.ru_maxrss * 1024 / 1e9
+    os.sync()
+    return seconds, time.perf_counter() - start - seconds, usage.ru_maxrss * 1024 / 1e9
 
 
 def folder_bytes(folder: Path) -> int:
@@ -86,14 +89,17 @@ def main() -> None:
     args = parser.parse_args()
 
     table = Table(title=f"quantize {args.checkpoint.name} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
-    for column in ("tool", "scheme", "device", "input GB", "wall s", "input GB/s", "output GB/s", "peak RSS GB"):
+    for column in ("tool", "scheme", "device", "input GB", "wall s", "input GB/s", "output GB/s", "+ sync s",
+                   "peak RSS GB"):
         table.add_column(column)
     input_bytes = folder_bytes(args.checkpoint)
 
-    def add(tool, scheme, device, source_bytes, seconds, rss, dst):
+    def add(tool, scheme, device, source_bytes, measured, dst):
+        seconds, sync, rss = measured
         out_bytes = folder_bytes(dst)
         table.add_row(tool, scheme, device, f"{source_bytes / 1e9:.2f}", f"{seconds:.1f}",
-                      f"{source_bytes / seconds / 1e9:.2f}", f"{out_bytes / seconds / 1e9:.2f}", f"{rss:.2f}")
+                      f"{source_bytes / seconds / 1e9:.2f}", f"{out_bytes / seconds / 1e9:.2f}", f"{sync:.1f}",
+                      f"{rss:.2f}")
         Console(stderr=True).print(f"{tool} {scheme} {device}: {seconds:.1f} s, {rss:.2f} GB")
         return out_bytes
 
@@ -101,22 +107,22 @@ def main() -> None:
     out_bytes = 0
     for scheme in args.schemes.split(","):
         dst = args.out / f"ours-{scheme}"
-        seconds, rss = measure(ours(args.checkpoint, dst, scheme, args.device, args.workers))
-        out_bytes = add("quantize-moe", scheme, args.device, input_bytes, seconds, rss, dst)
+        measured = measure(ours(args.checkpoint, dst, scheme, args.device, args.workers))
+        out_bytes = add("quantize-moe", scheme, args.device, input_bytes, measured, dst)
         shutil.rmtree(dst)
         if args.llmc_python:
             dst = args.out / f"llmc-{scheme}"
-            seconds, rss = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
-                                    LLMC_SCHEME[scheme]])
-            add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, seconds, rss, dst)
+            measured = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
+                                LLMC_SCHEME[scheme]])
+            add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, measured, dst)
             shutil.rmtree(dst)
     for folder in args.memory:
         scheme = args.schemes.split(",")[0]
         dst = args.out / f"ours-{folder.name}"
-        seconds, rss = measure(ours(folder, dst, scheme, args.device, args.workers))
-        add("quantize-moe", scheme, args.device, folder_bytes(folder), seconds, rss, dst)
+        measured = measure(ours(folder, dst, scheme, args.device, args.workers))
+        add("quantize-moe", scheme, args.device, folder_bytes(folder), measured, dst)
         shutil.rmtree(dst)
-    Console().print(table)
+    Console(width=160).print(table)
     if args.disk_rate:
         args.out.mkdir(parents=True, exist_ok=True)
         for fsync in (False, True):
