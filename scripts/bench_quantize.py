@@ -36,11 +36,11 @@ OURS_SNIPPET = ("import sys; from quantize_moe.plan import Options; from quantiz
                 "overwrite=True, show_progress=False, device=sys.argv[4], workers=int(sys.argv[5]) or None)")
 
 
-def measure(command: list[str]) -> tuple[float, float, float]:
+def measure(command: list[str], cwd: str | None = None) -> tuple[float, float, float]:
     """(wall seconds, seconds of the `sync` after it, peak RSS in GB) of one process."""
     os.sync()
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, cwd=cwd)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -113,7 +113,7 @@ def main() -> None:
         if args.llmc_python:
             dst = args.out / f"llmc-{scheme}"
             measured = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
-                                LLMC_SCHEME[scheme]])
+                                LLMC_SCHEME[scheme]], cwd="/")  # our kernels/ folder would shadow HF's `kernels`
             add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, measured, dst)
             shutil.rmtree(dst)
     for folder in args.memory:
