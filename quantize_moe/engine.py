@@ -221,7 +221,10 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
     raw = all(sources.raw(name) for name in item.sources)
     if raw and not item.quantize and all(sources.infos[o.name].dtype == o.dtype for o in item.outputs):
         for out in item.outputs:
-            shard.copy_from(out.name, *sources.fd_and_offset(out.name), out.nbytes)
+            # Kept floating-point tensors are checked for NaN/Inf on the way, as `produce` does.
+            check = (lambda chunk, out=out: fp8.finite_range(chunk.view(out.dtype), out.name)) \
+                if out.dtype.is_floating_point and out.nbytes else None
+            shard.copy_from(out.name, *sources.fd_and_offset(out.name), out.nbytes, check)
         return
     if not (raw and item.quantize and plan.decisions[item.sources[0]].role.fused is None):
         for name, tensor in produce(plan, item, sources.read(item.sources)).items():

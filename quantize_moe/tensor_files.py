@@ -19,6 +19,7 @@ import errno
 import mmap
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from safetensors import TensorSpec, safe_open, serialize_file
 from quantize_moe.output import PARTIAL_SUFFIX
 from quantize_moe.plan import OutputTensor
 
-COPY_BUFFER_BYTES = 64 << 20
+COPY_BUFFER_BYTES = 64 << 20  # a multiple of every dtype's size
 
 
 def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
@@ -63,24 +64,30 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
         view, offset = view[n:], offset + n
 
 
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy bytes file to file inside the kernel, so they never enter this process's memory; across
-    file systems that refuse `copy_file_range`, through a bounded buffer."""
-    try:
-        while count:
-            n = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
-            if n == 0:
-                raise EOFError(f"source ended {count} bytes early at offset {src_offset}")
-            src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-        buffer = torch.empty(min(count, COPY_BUFFER_BYTES), dtype=torch.uint8)
-        while count:
-            chunk = buffer[:min(count, len(buffer))]
-            read_into(src_fd, src_offset, chunk)
-            write_at(dst_fd, dst_offset, chunk)
-            src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int,
+               check: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Copy bytes file to file inside the kernel, so they never enter this process's memory. When the
+    bytes must be looked at (`check` sees each chunk), or across file systems that refuse
+    `copy_file_range`, through a bounded buffer."""
+    if check is None:
+        try:
+            while count:
+                n = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+                if n == 0:
+                    raise EOFError(f"source ended {count} bytes early at offset {src_offset}")
+                src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
+            return
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+    buffer = torch.empty(min(count, COPY_BUFFER_BYTES), dtype=torch.uint8)
+    while count:
+        chunk = buffer[:min(count, len(buffer))]
+        read_into(src_fd, src_offset, chunk)
+        if check is not None:
+            check(chunk)
+        write_at(dst_fd, dst_offset, chunk)
+        src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
 
 
 class ShardFile:
@@ -104,8 +111,9 @@ class ShardFile:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         write_at(self.fd, self.offsets[name], tensor)
 
-    def copy_from(self, name: str, src_fd: int, src_offset: int, count: int) -> None:
-        copy_range(src_fd, src_offset, self.fd, self.offsets[name], count)
+    def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
+                  check: Callable[[torch.Tensor], None] | None = None) -> None:
+        copy_range(src_fd, src_offset, self.fd, self.offsets[name], count, check)
 
     def finish(self) -> None:
         os.close(self.fd)
