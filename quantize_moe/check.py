@@ -27,8 +27,8 @@ class LayerWeightCheck:
         return self.worst_bound_ratio <= 1.0
 
 
-def check_expert_weights(src: str | Path, dst: str | Path) -> list[LayerWeightCheck]:
-    original, quantized = MoECheckpoint.open(src), MoECheckpoint.open(dst)
+def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None = None) -> list[LayerWeightCheck]:
+    original, quantized = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     results = []
     for layer in sorted(original.layers):
         a, b = original.load_layer(layer), quantized.load_layer(layer)

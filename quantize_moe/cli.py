@@ -57,6 +57,8 @@ AllowPickle = Annotated[bool, typer.Option(
                            "objects that would run code are refused.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace the checkpoint in a non-empty DST.")]
 Private = Annotated[bool, typer.Option(help="Create the Hub repo as private (when it does not exist yet).")]
+Adapter = Annotated[Optional[str], typer.Option(
+    help="generic: read an unknown model_type through the generic per-expert adapter (see `inspect`).")]
 STREAM_SCRATCH = ".quantize-moe-download"  # hidden in DST: never copied, uploaded or taken for output
 
 
@@ -77,6 +79,7 @@ def quantize(
                                               "instead of caching the whole model.")] = False,
     push_to_hub: Annotated[str | None, typer.Option(help="Then upload DST to this Hub repo (org/name).")] = None,
     private: Private = False,
+    adapter: Adapter = None,
     device: Annotated[str, typer.Option("--device", "--devices",
                                         help="Where to quantize: cpu, cuda, or several GPUs as cuda:0,cuda:1."
                                         )] = "cpu",
@@ -89,7 +92,7 @@ def quantize(
     from quantize_moe.model_card import record_run, write_card
     from quantize_moe.quantize import quantize_checkpoint
 
-    options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size))
+    options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size), adapter=adapter)
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
                                       show_progress=progress, device=device,
@@ -128,6 +131,7 @@ def verify(
     against: Annotated[str | None, typer.Option(help="Source checkpoint (folder or Hub repo id): also check "
                                                      "shapes and numerics against it.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    adapter: Adapter = None,
 ) -> None:
     """Check DST for CI: structure, metadata, scales, shared gate/up scales, coverage, integrity and,
     with --against, numerics. Exit codes: 0 passed, 1 DST or SRC unreadable, 2 bad usage,
@@ -136,7 +140,7 @@ def verify(
     from quantize_moe.verify import verify as verify_checkpoint
 
     source = open_source(against) if against else None
-    report = verify_checkpoint(dst, source)
+    report = verify_checkpoint(dst, source, adapter)
     if json_output:
         print(report.to_json())
     else:
@@ -152,15 +156,24 @@ def inspect(
     experts_only: ExpertsOnly = False,
     max_shard_size: MaxShardSize = "5GB",
     allow_pickle: AllowPickle = False,
+    adapter: Adapter = None,
 ) -> None:
     """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, and sizes.
-    Reads metadata only (from the Hub: small files and shard headers, no shards)."""
+    Reads metadata only (from the Hub: small files and shard headers, no shards). An unknown
+    model_type is described as the generic adapter would read it."""
+    from quantize_moe.adapters import is_known
     from quantize_moe.hub import open_source
 
-    plan = make_plan(open_source(src, stream=True, allow_pickle=allow_pickle),
-                     Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size)))
+    checkpoint = open_source(src, stream=True, allow_pickle=allow_pickle)
+    shown = adapter or (None if is_known(checkpoint.raw_config) else "generic")
+    plan = make_plan(checkpoint, Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size),
+                                         adapter=shown))
     stdout.print(overview_table(plan))
     stdout.print(decisions_table(plan))
+    if shown and not adapter:
+        stdout.print(f"[yellow]model_type '{checkpoint.raw_config.get('model_type')}' is not a known family: this "
+                     "is what the generic adapter would do; quantize, validate and verify use it only with "
+                     "--adapter generic.[/]")
 
 
 @app.command()
@@ -223,6 +236,7 @@ def validate(
     min_cosine: Annotated[float, typer.Option(help="Fail a layer below this cosine similarity.")] = Thresholds.min_cosine,
     max_kernel_error: Annotated[float, typer.Option(help="Fail a layer whose path is this far from the float64 reference.")] = Thresholds.max_kernel_error,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    adapter: Adapter = None,
 ) -> None:
     """Run every MoE layer with the bf16 experts of SRC and the FP8 experts of DST through the same
     fused-MoE layer (Triton on a GPU, the torch reference otherwise) and report the error per layer.
@@ -241,7 +255,7 @@ def validate(
     with count_progress(progress and json_path != Path("-")) as bar:
         task = bar.add_task("validating layers", total=None)
         report = run_validation(src, dst, tokens=tokens, seed=seed, device=device, hidden_states_file=hidden_states,
-                                layers=chosen, thresholds=thresholds,
+                                layers=chosen, thresholds=thresholds, adapter=adapter,
                                 on_layer=lambda _, total: bar.update(task, advance=1, total=total))
     if json_path is not None:
         text = json.dumps(report.to_json(), indent=2)

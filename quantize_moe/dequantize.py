@@ -31,11 +31,11 @@ class SourceReader:
     requantized, so no bf16 rounding sits between the two); scale tensors are metadata of the
     source's quantization, not tensors of the model, and are left out of `names`."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None):
         where = f"'{checkpoint.folder / CONFIG_NAME}'"
         self.checkpoint, self.dtype = checkpoint, dtype
         self.spec, self.scale_suffix = read_quantization(checkpoint.raw_config, where)
-        self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where)
+        self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         config = parse_config(checkpoint.raw_config, self.family, where)
         self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(config)}
 

@@ -39,14 +39,15 @@ class Inventory:
     tensors: dict[str, StoredTensor]  # everything but scales
     scales: dict[str, TensorInfo]
     num_experts: dict[int, int]  # MoE layer -> routed experts
+    adapter: str | None = None  # the explicit --adapter it was read with, for reading the source the same way
 
     def scale_of(self, name: str) -> TensorInfo | None:
         return self.scales.get(scale_name(name, self.scale_suffix))
 
 
-def take_inventory(checkpoint: Checkpoint) -> Inventory:
+def take_inventory(checkpoint: Checkpoint, adapter: str | None = None) -> Inventory:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
-    family = adapter_for(checkpoint.raw_config, where)
+    family = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
     config = parse_config(checkpoint.raw_config, family, where)
     spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
     tensors, scales = {}, {}
@@ -56,4 +57,4 @@ def take_inventory(checkpoint: Checkpoint) -> Inventory:
         else:
             tensors[name] = StoredTensor(info, family.role(name, len(info.shape)))
     num_experts = {info.layer: info.num_experts for info in family.moe_layers(config)}
-    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales, num_experts)
+    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales, num_experts, adapter)

@@ -142,7 +142,7 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
         raise UserError(f"'{record_path}' is missing; DST must be a folder written by `quantize-moe quantize`.")
     record = json.loads(record_path.read_text())
     checkpoint = Checkpoint(dst)
-    inventory = take_inventory(checkpoint)
+    inventory = take_inventory(checkpoint, record["options"].get("adapter"))
     qc = checkpoint.raw_config.get("quantization_config", {})
     engines = ENGINES.get((qc.get("quant_method"), inventory.spec.weight, inventory.scale_suffix), ())
     repo = repo_id or dst.name

@@ -42,6 +42,7 @@ class Options:
     scheme: str = "tensor"
     format: str = "fp8"
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    adapter: str | None = None  # "generic": the generic adapter instead of the model_type's family
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
         raise UserError(f"--format {options.format} is not available; choose one of {', '.join(FORMATS)}.")
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     _check_source_quantization(checkpoint.raw_config, options, where)
-    source = SourceReader(checkpoint, dtype=torch.float32)
+    source = SourceReader(checkpoint, dtype=torch.float32, adapter=options.adapter)
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where)
     mtp = set(family.mtp_layers(config))

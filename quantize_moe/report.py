@@ -109,7 +109,9 @@ def validation_table(report: ValidationReport) -> Table:
                       "[green]pass[/]" if r.passed else "[bold red]FAIL[/]")
     t = report.thresholds
     table.caption = (f"fail above rel. error {t.max_relative_error}, below cosine {t.min_cosine}, or path vs "
-                     f"reference above {t.max_kernel_error}")
+                     f"reference above {t.max_kernel_error}"
+                     + (f"\n{report.routing_note}: tokens may reach other experts than in the real model"
+                        if report.routing_note else ""))
     return table
 
 

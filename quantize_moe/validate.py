@@ -58,6 +58,7 @@ class ValidationReport:
     reference_dtype: str
     thresholds: Thresholds
     layers: list[LayerResult]
+    routing_note: str = ""  # when the routing rule is a guess (the generic adapter)
 
     @property
     def passed(self) -> bool:
@@ -137,9 +138,10 @@ def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens
 
 def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int = 0, device: str = "auto",
              hidden_states_file: Path | None = None, layers: list[int] | None = None,
-             thresholds: Thresholds = Thresholds(), on_layer=None) -> ValidationReport:
-    """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result."""
-    source, produced = MoECheckpoint.open(src), MoECheckpoint.open(dst)
+             thresholds: Thresholds = Thresholds(), on_layer=None, adapter: str | None = None) -> ValidationReport:
+    """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result.
+    `adapter="generic"` reads both through the generic adapter."""
+    source, produced = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     if source.spec.is_fp8:
         raise UserError(f"SRC '{src}' is already quantized; validate compares an unquantized SRC with DST.")
     if source.family.activation != "silu":
@@ -173,4 +175,5 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
             on_layer(result, len(chosen))
     return ValidationReport(str(src), str(dst), str(torch_device),
                             "triton" if torch_device.type == "cuda" else "torch reference",
-                            str(reference_dtype).removeprefix("torch."), thresholds, results)
+                            str(reference_dtype).removeprefix("torch."), thresholds, results,
+                            source.family.routing_note)

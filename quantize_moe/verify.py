@@ -272,7 +272,7 @@ def check_integrity(checkpoint: Checkpoint) -> Finding:
 def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
     """Routed experts through the stacked FusedMoE view; every other FP8 weight dequantized within FP8
     rounding of the source; every kept tensor bit-identical to the source."""
-    layers = check_expert_weights(source.folder, inventory.checkpoint.folder)
+    layers = check_expert_weights(source.folder, inventory.checkpoint.folder, inventory.adapter)
     experts = _finding("numerics: experts",
                        [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"
                         for c in layers if not c.ok],
@@ -280,7 +280,7 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
                        f"{max((c.worst_bound_ratio for c in layers), default=0):.2f} of the bound)",
                        "MoE layer(s) outside FP8 rounding of the source")
     problems, compared = [], 0
-    reader = SourceReader(inventory.checkpoint, torch.float32)
+    reader = SourceReader(inventory.checkpoint, torch.float32, inventory.adapter)
     for name, stored in inventory.tensors.items():
         if stored.role.kind == Kind.ROUTED_EXPERT or name not in source.tensors:
             continue
@@ -306,7 +306,7 @@ def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
                        "to compare layer outputs on the CPU")
     from quantize_moe.validate import validate
 
-    report = validate(source.folder, inventory.checkpoint.folder, device="cuda")
+    report = validate(source.folder, inventory.checkpoint.folder, device="cuda", adapter=inventory.adapter)
     return _finding("numerics: layer outputs",
                     [f"layer {r.layer}: relative error {r.relative_error:.1e}, cosine {r.cosine:.4f}"
                      for r in report.layers if not r.passed],
@@ -314,8 +314,9 @@ def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
                     "thresholds", "MoE layer(s) fail validate's thresholds")
 
 
-def verify(folder: str | Path, source: Checkpoint | None = None) -> VerifyReport:
-    """Run every check on the checkpoint in `folder`; `source` adds the checks against SRC."""
+def verify(folder: str | Path, source: Checkpoint | None = None, adapter: str | None = None) -> VerifyReport:
+    """Run every check on the checkpoint in `folder`; `source` adds the checks against SRC; `adapter`
+    ("generic") reads both through the generic adapter."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"DST '{folder}' does not exist or is not a folder; point verify at a quantized "
@@ -327,7 +328,7 @@ def verify(folder: str | Path, source: Checkpoint | None = None) -> VerifyReport
         report.findings.append(Finding("structure", "fail", str(e)))
         return report
     try:
-        inventory = take_inventory(checkpoint)
+        inventory = take_inventory(checkpoint, adapter)
     except UserError as e:
         report.findings.append(Finding("metadata", "fail", str(e)))
         return report

@@ -1,4 +1,4 @@
-"""Per-architecture adapters, found by `model_type` in config.json."""
+"""Per-architecture adapters, found by `model_type` in config.json, or the generic adapter when asked for."""
 
 from __future__ import annotations
 
@@ -7,31 +7,60 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from quantize_moe.adapters.base import Kind, MoELayerInfo, PerExpertFamily, TensorRole
 from quantize_moe.adapters.families import FAMILIES
+from quantize_moe.adapters.generic import GENERIC, GenericFamily, NoExpertPattern, detect
 from quantize_moe.errors import UserError
 
-__all__ = ["Kind", "MoELayerInfo", "PerExpertFamily", "TensorRole", "adapter_for", "parse_config",
-           "supported_model_types"]
+__all__ = ["ADAPTERS", "Kind", "MoELayerInfo", "PerExpertFamily", "TensorRole", "adapter_for", "is_known",
+           "parse_config", "supported_model_types"]
 
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}
+ADAPTERS = (GENERIC,)  # the values of --adapter: an explicit choice instead of the model_type's family
 
 
 def supported_model_types() -> list[str]:
     return sorted(_BY_MODEL_TYPE)
 
 
-def adapter_for(raw_config: dict, where: str = "config.json") -> PerExpertFamily:
-    model_type = raw_config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
-        raise UserError(f"{where} has model_type '{model_type}', which quantize-moe does not support; "
+def is_known(raw_config: dict) -> bool:
+    return raw_config.get("model_type") in _BY_MODEL_TYPE
+
+
+def adapter_for(raw_config: dict, where: str = "config.json", tensors: dict | None = None,
+                adapter: str | None = None) -> PerExpertFamily:
+    """The family of `model_type`, or with `adapter="generic"` the one `tensors` (name -> TensorInfo)
+    show. An unknown model_type whose tensors show a per-expert layout is refused with the option
+    that opts in: the generic adapter is never used silently."""
+    if adapter is not None and adapter not in ADAPTERS:
+        raise UserError(f"--adapter {adapter} is not available; choose {', '.join(ADAPTERS)}, or leave it out "
+                        "to use the family of config.json's model_type.")
+    if adapter is None and is_known(raw_config):
+        return _BY_MODEL_TYPE[raw_config["model_type"]]
+    shapes = {name: tuple(info.shape) for name, info in (tensors or {}).items()}
+    try:
+        family = detect(raw_config, shapes, where)
+    except NoExpertPattern as e:
+        if is_known(raw_config):
+            raise UserError(f"--adapter generic recognises no per-expert MoE layout in the tensors of the checkpoint "
+                            f"of {where} ({e}); leave --adapter out to use its family's adapter.") from None
+        raise UserError(f"{where} has model_type '{raw_config.get('model_type')}', which quantize-moe does not "
+                        f"support, and the generic adapter recognises no per-expert MoE layout ({e}); "
                         f"supported families: {', '.join(supported_model_types())} "
-                        "(docs/adding-a-family.md says how to add one).")
-    return _BY_MODEL_TYPE[model_type]
+                        "(docs/adding-a-family.md says how to add one).") from None
+    if adapter is None:
+        raise UserError(f"{where} has model_type '{raw_config.get('model_type')}', which quantize-moe does not "
+                        "support, but its tensors show a per-expert MoE layout; pass --adapter generic to use the "
+                        "generic adapter (`quantize-moe inspect` shows what it would do), or add the family "
+                        "(docs/adding-a-family.md).")
+    return family
 
 
 def parse_config(raw_config: dict, family: PerExpertFamily, where: str = "config.json") -> PretrainedConfig:
     """Parse config.json with transformers' own config class for the family (no remote code)."""
-    model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
-    config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
+    if isinstance(family, GenericFamily):  # no config class knows the keys: keep them all as attributes
+        config_class = PretrainedConfig
+    else:
+        model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
+        config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
     # transformers writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit)
     fields = config_class._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
     try:

@@ -83,6 +83,7 @@ class PerExpertFamily:
     # (False) or as the named config flag says.
     scoring: Scoring = "softmax_topk"
     renormalize: bool | str = True
+    routing_note: str = ""  # set when the rule is a guess (the generic adapter), for validate to say so
     moe_input_norm: str = "post_attention_layernorm"  # the norm whose output enters the MoE block
     zero_centered_norm: bool = False  # that norm multiplies by 1 + weight (Qwen3-Next), not by weight
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)

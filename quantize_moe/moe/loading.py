@@ -39,10 +39,10 @@ class MoECheckpoint:
     fused: dict[int, list[tuple[str, FusedLayout]]] = field(default_factory=dict)  # layer -> (name, layout)
 
     @classmethod
-    def open(cls, folder: str | Path) -> "MoECheckpoint":
+    def open(cls, folder: str | Path, adapter: str | None = None) -> "MoECheckpoint":
         checkpoint = Checkpoint(folder)
         where = f"'{checkpoint.folder / CONFIG_NAME}'"
-        family = adapter_for(checkpoint.raw_config, where)
+        family = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         config = parse_config(checkpoint.raw_config, family, where)
         spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
         experts: dict[int, list] = defaultdict(list)
