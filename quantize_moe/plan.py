@@ -34,6 +34,16 @@ FUSED_SIBLINGS = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
     frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),
 )
+GATE_UP = FUSED_SIBLINGS[0]
+
+
+def scale_siblings(role: TensorRole) -> frozenset[str] | None:
+    """The siblings sharing this Linear's scale: gate and up of a routed expert by shard id, whatever
+    the projections are called (the generic adapter meets any names), else fused Linears by name."""
+    if role.kind == Kind.ROUTED_EXPERT and role.shard_id in GATE_UP:
+        return GATE_UP
+    leaf = role.module.rpartition(".")[2]
+    return next((s for s in FUSED_SIBLINGS if leaf in s), None)
 
 
 @dataclass(frozen=True)
@@ -217,11 +227,8 @@ def _group_key(name: str, decision: Decision) -> tuple:
     role = decision.role
     if decision.quantize and role.fused is not None:
         return ("fused", role.layer, role.fused.scale_group)
-    if decision.quantize:
-        parent, _, leaf = role.module.rpartition(".")
-        siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
-        if siblings is not None:
-            return (parent, siblings)
+    if decision.quantize and (siblings := scale_siblings(role)) is not None:
+        return (role.module.rpartition(".")[0], siblings)
     return (name,)
 
 

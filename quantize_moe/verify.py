@@ -29,7 +29,7 @@ from quantize_moe.errors import UserError
 from quantize_moe.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.manifest import Manifest
 from quantize_moe.output import MANIFEST_NAME, PARTIAL_SUFFIX
-from quantize_moe.plan import FUSED_SIBLINGS
+from quantize_moe.plan import scale_siblings
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert", "ignore")
@@ -198,10 +198,8 @@ def check_shared_scales(inventory: Inventory) -> Finding:
         if role.fused is not None:
             groups[(f"layer {role.layer} {role.fused.scale_group}", role.layer)].append(name)
             continue
-        parent, _, leaf = role.module.rpartition(".")
-        siblings = next((s for s in FUSED_SIBLINGS if leaf in s), None)
-        if siblings is not None:
-            groups[(f"{parent}.{{{','.join(sorted(siblings))}}}", None)].append(name)
+        if (siblings := scale_siblings(role)) is not None:
+            groups[(f"{role.module.rpartition('.')[0]}.{{{','.join(sorted(siblings))}}}", None)].append(name)
     problems = []
     for (where, layer), names in groups.items():
         experts = inventory.num_experts.get(layer, 1)
