@@ -46,12 +46,13 @@ def test_demo_runs_offline():
     assert "Routed experts: dequantized FP8 vs original" in result.output and "NO" not in result.output
 
 
-def test_unknown_family_lists_the_supported_ones(tiny_checkpoint, tmp_path):
+def test_unknown_family_with_experts_asks_for_the_generic_adapter(tiny_checkpoint, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_checkpoint("mixtral"), src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    assert_user_error(invoke("inspect", src), "model_type 'llama'", "mixtral", "qwen3_moe")
+    assert_user_error(invoke("quantize", src, tmp_path / "dst"), "model_type 'llama'", "pass --adapter generic",
+                      "docs/adding-a-family.md")
 
 
 def test_nan_weight_fails_cleanly_and_leaves_no_complete_looking_output(tiny_checkpoint, tmp_path):

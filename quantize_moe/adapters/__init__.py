@@ -22,7 +22,8 @@ def supported_model_types() -> list[str]:
 
 
 def is_known(raw_config: dict) -> bool:
-    return raw_config.get("model_type") in _BY_MODEL_TYPE
+    model_type = raw_config.get("model_type")
+    return isinstance(model_type, str) and model_type in _BY_MODEL_TYPE
 
 
 def adapter_for(raw_config: dict, where: str = "config.json", tensors: dict | None = None,

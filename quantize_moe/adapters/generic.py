@@ -154,27 +154,26 @@ def _block_siblings(shapes: dict[str, tuple[int, ...]], block: str, num_experts:
     return routers[0], kept
 
 
-def _raw_value(raw: dict, key: str):
+def _raw_value(raw: dict, key: str, layer: int):
+    """The value of a dotted key; a per-layer list gives the layer's entry."""
     value = raw
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
-    return value
+    return value[layer] if isinstance(value, list) and layer < len(value) else value
 
 
 def _check_config(raw: dict, where: str, layer: int, num_experts: int, width: int, hidden: int) -> int | None:
     """Every config value present must agree with the tensors; returns the layer's top-k (None if absent)."""
-    width_key = next((k for k in EXPERT_WIDTH_KEYS if _raw_value(raw, k) is not None), None)
+    width_key = next((k for k in EXPERT_WIDTH_KEYS if _raw_value(raw, k, layer) is not None), None)
     expected = [(k, num_experts, "experts") for k in NUM_EXPERTS_KEYS] + [("hidden_size", hidden, "hidden size")]
     expected += [(width_key, width, "expert width")] if width_key else []
     for key, found, what in expected:
-        value = _raw_value(raw, key)
-        value = value[layer] if isinstance(value, list) else value
+        value = _raw_value(raw, key, layer)
         if value is not None and value != found:
             raise UserError(f"{where} has {key} {value}, but the expert tensors of layer {layer} show {what} "
                             f"{found}; the config does not belong to these weights.")
-    key = next((k for k in TOP_K_KEYS if _raw_value(raw, k) is not None), None)
-    top_k = _raw_value(raw, key) if key else None
-    top_k = top_k[layer] if isinstance(top_k, list) else top_k
+    key = next((k for k in TOP_K_KEYS if _raw_value(raw, k, layer) is not None), None)
+    top_k = _raw_value(raw, key, layer) if key else None
     if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= num_experts):
         raise UserError(f"{where} has {key} {top_k}, but layer {layer} has {num_experts} experts; "
                         "the config does not belong to these weights.")
