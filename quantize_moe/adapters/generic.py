@@ -66,7 +66,8 @@ def detect(raw_config: dict, shapes: dict[str, tuple[int, ...]], where: str = "c
         raise NoExpertPattern("no tensor is named like '<prefix>.<layer>.<block>.experts.<j>.<proj>.weight'")
     layouts = sorted({(m["layers"], m["block"]) for m in experts.values()})
     if len(layouts) > 1:
-        raise NoExpertPattern(f"experts sit under more than one prefix ({', '.join(p + '.{L}.' + b for p, b in layouts)})")
+        found = ", ".join(prefix + ".{L}." + block for prefix, block in layouts)
+        raise NoExpertPattern(f"experts sit under more than one prefix ({found})")
     layers, block = layouts[0][0], layouts[0][1].rstrip(".")
     per_layer: dict[int, dict[tuple[int, str], tuple[int, ...]]] = defaultdict(dict)
     for name, m in experts.items():
@@ -86,7 +87,9 @@ def detect(raw_config: dict, shapes: dict[str, tuple[int, ...]], where: str = "c
         detected.append(MoELayerInfo(layer, num_experts, hidden, width,
                                      _check_config(raw_config, where, layer, num_experts, width, hidden)))
     top = re.escape(block)
-    renormalize = bool(raw_config.get(RENORMALIZE_KEY, False))
+    renormalize = bool(raw_config.get(RENORMALIZE_KEY))
+    renormalized = "renormalized (norm_topk_prob is true)" if renormalize else \
+        "not renormalized (config.json has no true norm_topk_prob)"
     gate, up = (next(p for p, shard in projections.items() if shard == s) for s in ("w1", "w3"))
     return GenericFamily(
         name=f"generic: {layers}.{{L}}.{block}.experts.{{j}}.{gate}/{up}/{down} as gate/up/down, "
@@ -100,9 +103,8 @@ def detect(raw_config: dict, shapes: dict[str, tuple[int, ...]], where: str = "c
         layers=re.escape(layers),
         fp8_loads_in="engines whose own model class for this architecture loads per-expert weight_scale "
                      "(quantize-moe does not know it)",
-        renormalize=RENORMALIZE_KEY,
-        routing_note=f"the generic adapter guesses the routing: softmax top-k, "
-                     f"{'renormalized (norm_topk_prob is true)' if renormalize else 'not renormalized (config.json has no true norm_topk_prob)'}",
+        renormalize=renormalize,  # decided here, so the rule and its note agree
+        routing_note=f"the generic adapter guesses the routing: softmax top-k, {renormalized}",
         detected=tuple(detected),
     )
 
