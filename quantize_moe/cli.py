@@ -60,6 +60,10 @@ Private = Annotated[bool, typer.Option(help="Create the Hub repo as private (whe
 Adapter = Annotated[Optional[str], typer.Option(
     help="generic: read an unknown model_type through the generic per-expert adapter (see `inspect`).")]
 STREAM_SCRATCH = ".quantize-moe-download"  # hidden in DST: never copied, uploaded or taken for output
+Scheme = Annotated[str, typer.Option(help="Weight scales: tensor, channel (one per output row), block (128x128), "
+                                          "or auto: the choice that loads in the most engines.")]
+Format = Annotated[str, typer.Option("--format", help="On-disk format: fp8 (vLLM/SGLang native; block scales also "
+                                                      "transformers), compressed-tensors, or auto.")]
 
 
 @app.command()
@@ -68,6 +72,8 @@ def quantize(
     src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors) or Hub repo id org/name[@rev].")],
     dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
     experts_only: ExpertsOnly = False,
+    scheme: Scheme = "auto",
+    format_: Format = "auto",
     max_shard_size: MaxShardSize = "5GB",
     overwrite: Overwrite = False,
     resume: Annotated[bool, typer.Option(
@@ -92,12 +98,13 @@ def quantize(
     from quantize_moe.model_card import record_run, write_card
     from quantize_moe.quantize import quantize_checkpoint
 
-    options = Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size), adapter=adapter)
+    options = Options(experts_only=experts_only, scheme=scheme, format=format_,
+                      max_shard_size=_shard_size(max_shard_size), adapter=adapter)
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
                                       show_progress=progress, device=device,
                                       workers=workers)
-        record_run(dst, checkpoint, src, options)
+        record_run(dst, checkpoint, src, summary.plan.options)
     write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan))
     stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
@@ -154,20 +161,22 @@ def verify(
 def inspect(
     src: Annotated[str, typer.Argument(help="Checkpoint folder, or Hub repo id org/name[@revision].")],
     experts_only: ExpertsOnly = False,
+    scheme: Scheme = "auto",
+    format_: Format = "auto",
     max_shard_size: MaxShardSize = "5GB",
     allow_pickle: AllowPickle = False,
     adapter: Adapter = None,
 ) -> None:
-    """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, and sizes.
-    Reads metadata only (from the Hub: small files and shard headers, no shards). An unknown
-    model_type is described as the generic adapter would read it."""
+    """Describe SRC: family, MoE layers, experts, what would be quantized and what stays, sizes, and
+    which engines load the result. Reads metadata only (from the Hub: small files and shard headers,
+    no shards). An unknown model_type is described as the generic adapter would read it."""
     from quantize_moe.adapters import is_known
     from quantize_moe.hub import open_source
 
     checkpoint = open_source(src, stream=True, allow_pickle=allow_pickle)
     shown = adapter or (None if is_known(checkpoint.raw_config) else "generic")
-    plan = make_plan(checkpoint, Options(experts_only=experts_only, max_shard_size=_shard_size(max_shard_size),
-                                         adapter=shown))
+    plan = make_plan(checkpoint, Options(experts_only=experts_only, scheme=scheme, format=format_,
+                                         max_shard_size=_shard_size(max_shard_size), adapter=shown))
     stdout.print(overview_table(plan))
     stdout.print(decisions_table(plan))
     if shown and not adapter:

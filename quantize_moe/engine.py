@@ -204,7 +204,7 @@ def produce(plan: Plan, item: WorkItem, sources: list[tuple[str, torch.Tensor]])
     out = {}
     role = plan.decisions[item.sources[0]].role
     if role.fused is None:
-        quantized = plan.scheme.quantize_group(sources)
+        quantized = plan.scheme.quantize_group(sources, item.outputs[1].dtype)
     else:
         quantized = plan.scheme.quantize_experts(sources, plan.moe_layer(role.layer).num_experts)
     for q, weight_out, scale_out in zip(quantized, item.outputs[0::2], item.outputs[1::2]):
@@ -238,8 +238,8 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
     with worker.stream_context():
         worker.upload(sum(i.nbytes for i in infos))
         weights = _views(worker.inputs, [(i.dtype, i.shape) for i in infos])
-        scales = plan.scheme.quantize_group_into(list(zip(item.sources, weights)),
-                                                 _views(worker.outputs, out_specs), backend=worker.backend)
+        scales = plan.scheme.quantize_group_into(list(zip(item.sources, weights)), _views(worker.outputs, out_specs),
+                                                 backend=worker.backend, scale_dtype=scale_outs[0].dtype)
         scales = [s.reshape(o.shape).to("cpu", o.dtype, non_blocking=True) for s, o in zip(scales, scale_outs)]
         worker.download(sum(o.nbytes for o in weight_outs))
     for q, scale, weight_out, scale_out in zip(_views(worker.host_outputs, out_specs), scales, weight_outs,

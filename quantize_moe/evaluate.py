@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+
+from quantize_moe.plan import Options
 
 
 @torch.no_grad()
@@ -19,3 +22,23 @@ def heldout_perplexity(model: torch.nn.Module, data: bytes, windows: int = 64, l
         logits = model(input_ids=window[:, :-1]).logits.float()
         total += torch.nn.functional.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
     return math.exp(total / (windows * length))
+
+
+def fp8_perplexity(src: Path, data: bytes, options: Options, workdir: Path,
+                   windows: int = 64) -> tuple[Options, str, float]:
+    """Quantize `src` into `workdir` and measure the result through transformers' own loader, as a
+    user would; a combination transformers cannot load goes through our dequantization first.
+    Returns the resolved options, how the model was loaded, and the perplexity."""
+    from transformers import AutoModelForCausalLM
+
+    from quantize_moe.dequantize import dequantize_checkpoint
+    from quantize_moe.engines import loading_engines
+    from quantize_moe.quantize import quantize_checkpoint
+
+    options = quantize_checkpoint(src, workdir / "fp8", options, show_progress=False).plan.options
+    folder, how = workdir / "fp8", "transformers"
+    if "transformers" not in loading_engines(options.format, options.scheme):
+        dequantize_checkpoint(folder, workdir / "dequantized")
+        folder, how = workdir / "dequantized", "dequantized, then transformers"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    return options, how, heldout_perplexity(model, data, windows)

@@ -1,32 +1,105 @@
-"""On-disk formats: tensor names beside each quantized weight and the `quantization_config`."""
+"""On-disk formats: tensor names beside each quantized weight and the `quantization_config`.
+
+Native fp8 is what vLLM and SGLang read as `quant_method: "fp8"` (per-tensor
+`weight_scale`, or DeepSeek-style 128x128 `weight_scale_inv`, which transformers
+reads too); compressed-tensors is llm-compressor's format. Which engine loads
+which combination is in `engines.py`.
+"""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
 from quantize_moe.errors import UserError
 from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.schemes import SCHEMES, Scheme
 
 
 class NativeFp8Format:
-    """vLLM/SGLang `quant_method: "fp8"`: fp8 `weight` plus a float32 scalar `weight_scale`.
+    """`quant_method: "fp8"`: fp8 `weight` plus a float32 per-tensor `weight_scale` or block `weight_scale_inv`.
 
-    Every Linear left in high precision is listed in `ignored_layers` by its exact
-    module name, since a serialized-fp8 config means "every Linear is fp8".
+    Every Linear left in high precision is listed by its exact module name, since a
+    serialized-fp8 config means "every Linear is fp8": under `ignored_layers` for
+    vLLM/SGLang and, with block scales, also under `modules_to_not_convert`, which
+    replaces transformers' own skip list and so must name `lm_head` too.
     """
 
     name = "fp8"
-    scale_suffix = "weight_scale"
+    schemes = ("tensor", "block")
+
+    def scale_suffix(self, scheme: Scheme) -> str:
+        return "weight_scale_inv" if scheme.name == "block" else "weight_scale"
 
     def scale_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
 
-    def quantization_config(self, ignored_modules: list[str]) -> dict:
-        return {"quant_method": "fp8", "activation_scheme": "dynamic",
-                "ignored_layers": sorted(ignored_modules)}
+    def scale_shape(self, scheme: Scheme, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return scheme.scale_shape(shape)
+
+    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str]) -> dict:
+        if scheme.name != "block":
+            return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored}
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(scheme.block), "modules_to_not_convert": ignored,
+                "ignored_layers": ignored}
 
 
-FORMATS = {fmt.name: fmt for fmt in (NativeFp8Format(),)}
+class CompressedTensorsFormat:
+    """llm-compressor's `compressed-tensors` float-quantized format, with dynamic activations.
+
+    Scales are stored in the model's dtype, as compressed-tensors writes them; a per-tensor
+    scale is a 1-element vector. Activations are quantized dynamically (per token, or per
+    128-channel group under block weights), so no calibration data is needed.
+    """
+
+    name = "compressed-tensors"
+    schemes = ("tensor", "channel", "block")
+
+    def scale_suffix(self, scheme: Scheme) -> str:
+        return "weight_scale"
+
+    def scale_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
+
+    def scale_shape(self, scheme: Scheme, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return scheme.scale_shape(shape) or (1,)
+
+    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str]) -> dict:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": scheme.name, "group_size": None, "block_structure": None}
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                       "strategy": "token", "group_size": None}
+        if scheme.name == "block":
+            weights["block_structure"] = list(scheme.block)
+            activations.update(strategy="group", group_size=scheme.block[1])
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                              "weights": weights, "input_activations": activations,
+                                              "output_activations": None}},
+                "ignore": ignore_entries(ignored, quantized), "kv_cache_scheme": None}
+
+
+def ignore_entries(ignored: list[str], quantized: list[str]) -> list[str]:
+    """compressed-tensors `ignore` list: one anchored `re:` pattern per name shape that repeats across
+    layers (`model.layers.0.mlp.gate`, `model.layers.1.mlp.gate` -> `re:model\\.layers\\.\\d+\\.mlp\\.gate$`)
+    when it matches no quantized module, otherwise the exact names. compressed-tensors matches `re:`
+    entries with `re.match`, so the start is anchored already and `$` anchors the end."""
+    by_pattern: dict[str, list[str]] = {}
+    for name in ignored:
+        by_pattern.setdefault(re.sub(r"\d+", r"\\d+", re.escape(name)) + "$", []).append(name)
+    entries = []
+    for pattern, names in by_pattern.items():
+        if len(names) > 1 and not any(re.match(pattern, q) for q in quantized):
+            entries.append(f"re:{pattern}")
+        else:
+            entries.extend(names)
+    return entries
+
+
+FORMATS = {fmt.name: fmt for fmt in (NativeFp8Format(), CompressedTensorsFormat())}
 
 
 def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str | None]:
@@ -45,16 +118,14 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
         block = qc.get("weight_block_size")
         if block:
             return MoEQuantSpec("block", "group", tuple(block)), "weight_scale_inv"
-        return MoEQuantSpec("tensor", "token"), "weight_scale"
+        return SCHEMES["tensor"].moe_spec, "weight_scale"
     if method == "compressed-tensors":
         weights = next(iter(qc.get("config_groups", {}).values()), {}).get("weights") or {}
         strategy = weights.get("strategy")
-        if strategy == "tensor":
-            return MoEQuantSpec("tensor", "token"), "weight_scale"
-        if strategy == "channel":
-            return MoEQuantSpec("channel", "token"), "weight_scale"
         if strategy == "block":
             return MoEQuantSpec("block", "group", tuple(weights.get("block_structure") or (128, 128))), \
                 "weight_scale"
+        if strategy in ("tensor", "channel"):
+            return SCHEMES[strategy].moe_spec, "weight_scale"
     raise UserError(f"{where} has a quantization_config (quant_method {method!r}) that quantize-moe "
                     "cannot read; it reads fp8 and compressed-tensors FP8 checkpoints.")

@@ -87,10 +87,15 @@ def grid_amax(weight: torch.Tensor, cell: tuple[int, int], name: str) -> torch.T
     return out
 
 
-def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
-    """amax / 448, with 1.0 for all-zero rows or tensors so no NaN or Inf reaches the disk."""
+def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """amax / 448 as float32 values that `dtype` (where the scale is stored) represents exactly, with 1.0
+    for all-zero cells and scales kept in `dtype`'s normal range, so no NaN, Inf or 0 reaches the disk."""
     scale = amax_value.float() / FP8_MAX
-    return torch.where(amax_value > 0, scale, torch.ones_like(scale))
+    scale = torch.where(amax_value > 0, scale, torch.ones_like(scale))
+    if dtype == torch.float32:
+        return scale
+    info = torch.finfo(dtype)
+    return scale.clamp(info.tiny, info.max).to(dtype).float()
 
 
 def quantize(weight: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from quantize_moe.errors import UserError
 from quantize_moe.hub import HubSource
 from quantize_moe.inventory import Inventory, take_inventory
 from quantize_moe.manifest import Manifest
+from quantize_moe.engines import LOADS, loading_engines
 from quantize_moe.output import write_text
 from quantize_moe.plan import Options
 
@@ -30,14 +31,6 @@ VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC D
 CARD_NAME = "README.md"
 CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
-# (quant_method, weight scales, scale suffix) -> engines that load the routed experts (reference §5)
-ENGINES = {
-    ("fp8", "tensor", "weight_scale"): ("vLLM", "SGLang"),
-    ("fp8", "block", "weight_scale_inv"): ("vLLM", "SGLang", "transformers"),
-    ("compressed-tensors", "tensor", "weight_scale"): ("vLLM", "SGLang", "transformers"),
-    ("compressed-tensors", "channel", "weight_scale"): ("vLLM", "SGLang", "transformers"),
-    ("compressed-tensors", "block", "weight_scale"): ("vLLM",),
-}
 SERVING = {
     "vLLM": "vllm serve {repo}",
     "SGLang": "python -m sglang.launch_server --model-path {repo}",
@@ -144,7 +137,8 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
     checkpoint = Checkpoint(dst)
     inventory = take_inventory(checkpoint, record["options"].get("adapter"))
     qc = checkpoint.raw_config.get("quantization_config", {})
-    engines = ENGINES.get((qc.get("quant_method"), inventory.spec.weight, inventory.scale_suffix), ())
+    combination = (qc.get("quant_method"), inventory.spec.weight)
+    engines = tuple(loading_engines(*combination)) if combination in LOADS else ()
     repo = repo_id or dst.name
     base = record["base_model"]
     data = ModelCardData(base_model=base, base_model_relation="quantized" if base else None,

@@ -18,6 +18,7 @@ from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRol
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.dequantize import SourceReader
+from quantize_moe.engines import AUTO, resolve_options
 from quantize_moe.errors import UserError
 from quantize_moe.formats import FORMATS, read_quantization
 from quantize_moe.fp8 import FP8_DTYPE
@@ -48,9 +49,12 @@ def scale_siblings(role: TensorRole) -> frozenset[str] | None:
 
 @dataclass(frozen=True)
 class Options:
+    """What the user asked for; `make_plan` resolves `auto` scheme and format per checkpoint and
+    `Plan.options` carries the resolved choice."""
+
     experts_only: bool = False
-    scheme: str = "tensor"
-    format: str = "fp8"
+    scheme: str = AUTO
+    format: str = AUTO
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     adapter: str | None = None  # "generic": the generic adapter instead of the model_type's family
 
@@ -128,7 +132,8 @@ class Plan:
 
     @property
     def quantization_config(self) -> dict:
-        return self.format.quantization_config(self.ignored_modules)
+        quantized = sorted({d.role.module for d in self.decisions.values() if d.quantize})
+        return self.format.quantization_config(self.scheme, self.ignored_modules, quantized)
 
     @property
     def bytes_before(self) -> int:
@@ -146,9 +151,6 @@ class Plan:
         if family.fp8_refusal and quantizes_experts:
             raise UserError(f"{where} is a {family.name} checkpoint, which quantize-moe does not quantize: "
                             f"{family.fp8_refusal}.")
-        if family.fused and self.options.scheme != "tensor":
-            raise UserError(f"--scheme {self.options.scheme} is not available for {family.name}, whose experts "
-                            "are fused tensors that engines load with per-tensor scales only; use --scheme tensor.")
 
     @property
     def shard_names(self) -> list[str]:
@@ -166,21 +168,22 @@ def _natural_key(name: str) -> list:
 
 
 def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
-    if options.scheme not in SCHEMES:
-        raise UserError(f"--scheme {options.scheme} is not available; choose one of {', '.join(SCHEMES)}.")
-    if options.format not in FORMATS:
-        raise UserError(f"--format {options.format} is not available; choose one of {', '.join(FORMATS)}.")
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
-    _check_source_quantization(checkpoint.raw_config, options, where)
+    _check_source_readable(checkpoint.raw_config, where)
     source = SourceReader(checkpoint, dtype=torch.float32, adapter=options.adapter)
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where)
+    roles = {name: family.role(name, len(checkpoint.tensors[name].shape)) for name in source.names}
+    options = resolve_options(options, [(name, checkpoint.tensors[name].shape) for name in source.names
+                                        if roles[name].kind == Kind.ROUTED_EXPERT],
+                              fused_family=family.name if family.fused else None)
+    _check_source_not_done(checkpoint.raw_config, options, where)
     mtp = set(family.mtp_layers(config))
     decisions = {}
     for name in source.names:
         info = replace(checkpoint.tensors[name], dtype=source.output_dtype(name))
-        decisions[name] = _decide(info, family.role(name, len(info.shape)), options,
-                                  in_mtp_layer=family.layer_of(name) in mtp)
+        decisions[name] = _decide(info, roles[name], options, in_mtp_layer=family.layer_of(name) in mtp)
+    _keep_fused_siblings_together(decisions)
     moe_layers = family.moe_layers(config)
     _check_experts(family, moe_layers, decisions, where)
     num_experts = {info.layer: info.num_experts for info in moe_layers}
@@ -190,19 +193,30 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     return plan
 
 
-def _check_source_quantization(raw: dict, options: Options, where: str) -> None:
-    """A pre-quantized SRC is dequantized and requantized; refuse one quantize-moe cannot read, or one
-    already quantized the way it is asked for (there is nothing to do)."""
+def _source_method(raw: dict) -> str | None:
+    qc = raw["quantization_config"]
+    return qc.get("quant_method") if isinstance(qc, dict) else None
+
+
+def _check_source_readable(raw: dict, where: str) -> None:
+    """A pre-quantized SRC is dequantized and requantized; refuse one quantize-moe cannot read."""
     if "quantization_config" not in raw:
         return
-    qc = raw["quantization_config"]
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
     try:
-        spec, scale_suffix = read_quantization(raw, where)
+        read_quantization(raw, where)
     except (UserError, AttributeError):
-        raise UserError(f"{where} says the checkpoint is already quantized ({method}), in a format quantize-moe "
-                        "cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
-    if spec == SCHEMES[options.scheme].moe_spec and scale_suffix == FORMATS[options.format].scale_suffix:
+        raise UserError(f"{where} says the checkpoint is already quantized ({_source_method(raw)}), in a format "
+                        "quantize-moe cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
+
+
+def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
+    """Refuse a SRC already quantized the way it is asked for: there is nothing to do."""
+    if "quantization_config" not in raw:
+        return
+    method = _source_method(raw)
+    spec, scale_suffix = read_quantization(raw, where)
+    scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
+    if (method, spec, scale_suffix) == (fmt.name, scheme.moe_spec, fmt.scale_suffix(scheme)):
         raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
                         f"{options.scheme} --format {options.format} asks, so there is nothing to do; point SRC "
                         "at the bf16/fp16/fp32 original, or run `quantize-moe dequantize` on it first.")
@@ -218,7 +232,33 @@ def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: 
     if info.dtype == FP8_DTYPE or info.dtype not in FLOAT_DTYPES:
         raise UserError(f"Tensor '{info.name}' in '{info.file}' is {info.dtype}, not bf16/fp16/fp32; "
                         "quantize-moe needs an unquantized checkpoint as SRC.")
+    # Routed experts that misfit were refused when the scheme was chosen; other Linears stay.
+    if misfit := SCHEMES[options.scheme].misfit(info.shape):
+        return Decision(info, role, False, f"--scheme {options.scheme}: {misfit}")
     return Decision(info, role, True)
+
+
+def _sibling_group(role: TensorRole) -> tuple | None:
+    siblings = scale_siblings(role)
+    return None if siblings is None else (role.module.rpartition(".")[0], siblings)
+
+
+def _keep_fused_siblings_together(decisions: dict[str, Decision]) -> None:
+    """Engines fuse sibling Linears (q/k/v, gate/up) into one module that is quantized whole or not at
+    all, so when one sibling stays in high precision its siblings stay with it."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name, d in decisions.items():
+        if d.role.is_linear_weight and (key := _sibling_group(d.role)):
+            groups[key].append(name)
+    for names in groups.values():
+        kept = next((decisions[n] for n in names if not decisions[n].quantize), None)
+        if kept is None:
+            continue
+        for n in names:
+            if decisions[n].quantize:
+                sibling = kept.role.module.rpartition(".")[2]
+                decisions[n] = replace(decisions[n], quantize=False,
+                                       reason=f"fused with {sibling}, which stays: {kept.reason}")
 
 
 def _group_key(name: str, decision: Decision) -> tuple:
@@ -227,9 +267,7 @@ def _group_key(name: str, decision: Decision) -> tuple:
     role = decision.role
     if decision.quantize and role.fused is not None:
         return ("fused", role.layer, role.fused.scale_group)
-    if decision.quantize and (siblings := scale_siblings(role)) is not None:
-        return (role.module.rpartition(".")[0], siblings)
-    return (name,)
+    return (decision.quantize and _sibling_group(role)) or (name,)
 
 
 def _work_items(decisions: dict[str, Decision], options: Options, num_experts: dict[int, int]) -> list[WorkItem]:
@@ -248,11 +286,11 @@ def _work_items(decisions: dict[str, Decision], options: Options, num_experts: d
                 outputs.append(OutputTensor(info.name, FP8_DTYPE, info.shape))
                 layout = decisions[info.name].role.fused
                 if layout is None:
-                    outputs.append(OutputTensor(f"{info.name.removesuffix('.weight')}.{fmt.scale_suffix}",
-                                                fmt.scale_dtype(info.dtype), scheme.scale_shape(info.shape)))
+                    outputs.append(OutputTensor(f"{info.name.removesuffix('.weight')}.{fmt.scale_suffix(scheme)}",
+                                                fmt.scale_dtype(info.dtype), fmt.scale_shape(scheme, info.shape)))
                 else:
                     experts = num_experts[decisions[info.name].role.layer]
-                    outputs.append(OutputTensor(scale_name(info.name, fmt.scale_suffix),
+                    outputs.append(OutputTensor(scale_name(info.name, fmt.scale_suffix(scheme)),
                                                 fmt.scale_dtype(info.dtype), layout.scale_shape(experts)))
         else:
             outputs = [OutputTensor(i.name, i.dtype, i.shape) for i in infos]

@@ -7,6 +7,7 @@ from collections import Counter
 from rich.table import Table
 
 from quantize_moe.console import human_bytes
+from quantize_moe.engines import LOADS, block_tp_sizes
 from quantize_moe.plan import Plan
 from quantize_moe.validate import ValidationReport
 
@@ -42,8 +43,15 @@ def overview_table(plan: Plan) -> Table:
     if plan.source.quantized:
         table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): "
                       "dequantized, then requantized")
-    table.add_row("FP8 output loads in", plan.family.fp8_loads_in or f"nowhere: {plan.family.fp8_refusal}")
     table.add_row("scheme / format", f"{plan.options.scheme} / {plan.options.format}")
+    if plan.family.fused or plan.family.fp8_refusal:  # the family's own loaders decide
+        table.add_row("FP8 output loads in", plan.family.fp8_loads_in or f"nowhere: {plan.family.fp8_refusal}")
+    else:
+        for engine, verdict in LOADS[(plan.options.format, plan.options.scheme)].items():
+            table.add_row(f"loads in {engine}", f"[green]{verdict}[/]" if verdict == "yes" else f"[yellow]{verdict}[/]")
+    if plan.options.scheme == "block" and moe:
+        sizes = block_tp_sizes({m.expert_width for m in moe}, plan.scheme.block[0])
+        table.add_row("tensor-parallel sizes with whole expert blocks", ", ".join(map(str, sizes)))
     table.add_row("size before -> after",
                   f"{human_bytes(plan.bytes_before)} -> {human_bytes(plan.bytes_after)} "
                   f"in {len(plan.shards)} shard(s)")

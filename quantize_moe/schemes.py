@@ -10,6 +10,10 @@ per-tensor scheme they share one scale (the max of their amax), which makes vLLM
 load-time max-requantization of w13 exact instead of a second rounding. Per-channel
 and block scales are concatenated as they are when engines fuse w13, so those
 schemes share nothing.
+
+Scales stored in a narrower dtype than float32 (compressed-tensors writes the
+model's dtype) are rounded to it before the weight is divided by them, so a
+reader multiplies by exactly the scale that was used.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from quantize_moe.moe.quant_spec import MoEQuantSpec
 @dataclass(frozen=True)
 class QuantizedWeight:
     weight: torch.Tensor  # float8_e4m3fn, same shape as the original
-    scale: torch.Tensor  # float32, shape `Scheme.scale_shape(weight.shape)`
+    scale: torch.Tensor  # float32 holding `scale_dtype` values, shape `Scheme.scale_shape(weight.shape)`
 
 
 class Scheme:
@@ -39,21 +43,33 @@ class Scheme:
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return fp8.grid_shape(shape, self.cell(shape))
 
+    def misfit(self, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of this shape cannot take the scheme in every engine that reads it, or None."""
+        return None
+
     def quantize_group_into(self, named_weights: list[tuple[str, torch.Tensor]], outs: list[torch.Tensor],
-                            backend=fp8) -> list[torch.Tensor]:
+                            backend=fp8, scale_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Quantize weights that form one group into the fp8 tensors `outs`; returns their scales,
         float32 in `fp8.grid_shape` (reshape to `scale_shape` for the disk)."""
-        group_amax = None
+        amaxes = [None] * len(named_weights)
         if self.shares_group_scale:
             group_amax = torch.stack([backend.grid_amax(w, self.cell(w.shape), name)
                                       for name, w in named_weights]).amax(dim=0)
-        return [backend.quantize_cells(w, self.cell(w.shape), out, name, group_amax)
-                for (name, w), out in zip(named_weights, outs)]
+            amaxes = [group_amax] * len(named_weights)
+        if scale_dtype != torch.float32:
+            # Every backend divides amax by 448: handing it 448 x the stored scale (exact for the
+            # 8-11 significant bits of bf16/fp16) makes it quantize with exactly that scale.
+            amaxes = [fp8.scale_from_amax(backend.grid_amax(w, self.cell(w.shape), name) if a is None else a,
+                                          scale_dtype) * fp8.FP8_MAX
+                      for (name, w), a in zip(named_weights, amaxes)]
+        return [backend.quantize_cells(w, self.cell(w.shape), out, name, amax)
+                for (name, w), out, amax in zip(named_weights, outs, amaxes)]
 
-    def quantize_group(self, named_weights: list[tuple[str, torch.Tensor]]) -> list[QuantizedWeight]:
+    def quantize_group(self, named_weights: list[tuple[str, torch.Tensor]],
+                       scale_dtype: torch.dtype = torch.float32) -> list[QuantizedWeight]:
         """The CPU path with freshly allocated outputs."""
         outs = [torch.empty(w.shape, dtype=fp8.FP8_DTYPE) for _, w in named_weights]
-        scales = self.quantize_group_into(named_weights, outs)
+        scales = self.quantize_group_into(named_weights, outs, scale_dtype=scale_dtype)
         return [QuantizedWeight(q, s.reshape(self.scale_shape(q.shape))) for q, s in zip(outs, scales)]
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -108,6 +124,13 @@ class BlockScheme(Scheme):
 
     def cell(self, shape):
         return self.block
+
+    def misfit(self, shape):
+        """transformers cannot dequantize partial blocks, and vLLM's block-FP8 MoE needs whole ones."""
+        if all(n % b == 0 for n, b in zip(shape, self.block)):
+            return None
+        return (f"{shape[0]} x {shape[1]} is not a multiple of the {self.block[0]} x {self.block[1]} block "
+                "(transformers cannot dequantize partial blocks)")
 
 
 SCHEMES = {scheme.name: scheme for scheme in (PerTensorScheme(), PerChannelScheme(), BlockScheme())}

@@ -78,11 +78,13 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 def build_tiny_checkpoint(model_type: str, folder: str | Path, *, seed: int = 0,
-                          max_shard_size: str = "100KB", dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save a randomly initialised tiny model of `model_type` to `folder`, in several shards."""
+                          max_shard_size: str = "100KB", dtype: torch.dtype = torch.bfloat16,
+                          **overrides) -> Path:
+    """Save a randomly initialised tiny model of `model_type` to `folder`, in several shards;
+    `overrides` replace config values (e.g. widths that are multiples of 128 for block scales)."""
     folder = Path(folder)
     transformers_logging.disable_progress_bar()
-    config = CONFIG_MAPPING[model_type](**TINY_CONFIGS[model_type])
+    config = CONFIG_MAPPING[model_type](**{**TINY_CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # trained routers' correction biases are not zero; zeros would hide one left out

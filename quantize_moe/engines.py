@@ -1,0 +1,91 @@
+"""Which engines load which (format, scheme), and the choice that loads in the most of them.
+
+The table follows the engines' sources (vLLM 0.33, SGLang 0.5.23, transformers 5.24;
+see ../shared/reference/fp8-formats.md §5); the transformers entries are proven by
+tests/test_clients.py. A combination missing from it is read by no engine and refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from quantize_moe.errors import UserError
+from quantize_moe.formats import FORMATS
+from quantize_moe.schemes import SCHEMES
+
+if TYPE_CHECKING:
+    from quantize_moe.plan import Options
+
+AUTO = "auto"
+ENGINES = ("vLLM", "SGLang", "transformers")
+TP_SIZES = (1, 2, 4, 8, 16)
+
+# (format, scheme) -> per engine: "yes" or why not; listed in order of preference when as many engines load.
+LOADS: dict[tuple[str, str], dict[str, str]] = {
+    ("fp8", "block"): {"vLLM": "yes", "SGLang": "yes", "transformers": "yes"},
+    ("compressed-tensors", "channel"): {"vLLM": "yes", "SGLang": "not verified",
+                                        "transformers": "yes"},
+    ("compressed-tensors", "tensor"): {"vLLM": "yes", "SGLang": "not verified",
+                                       "transformers": "yes"},
+    ("fp8", "tensor"): {"vLLM": "yes", "SGLang": "yes",
+                        "transformers": "no: it reads weight_scale_inv, not weight_scale"},
+    ("compressed-tensors", "block"): {"vLLM": "yes", "SGLang": "not verified",
+                                      "transformers": "no: block-scaled MoE experts fail to load"},
+}
+
+
+FUSED_EXPERTS = ("fp8", "tensor")  # the one combination engines load for fused 3-D expert tensors
+
+
+def loading_engines(fmt: str, scheme: str) -> list[str]:
+    return [engine for engine, verdict in LOADS[(fmt, scheme)].items() if verdict == "yes"]
+
+
+def _flags(fmt: str, scheme: str) -> str:
+    return f"--format {fmt} --scheme {scheme}"
+
+
+def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]],
+                    fused_family: str | None = None) -> Options:
+    """Options with `auto` format and scheme replaced by the combination, among those the user left
+    open, that loads in the most engines and fits every routed expert (name, shape). Fused expert
+    tensors (`fused_family`) are loaded by engines with native per-tensor scales only."""
+    if options.scheme not in (AUTO, *SCHEMES):
+        raise UserError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, {', '.join(SCHEMES)}.")
+    if options.format not in (AUTO, *FORMATS):
+        raise UserError(f"--format {options.format} is not available; choose one of {AUTO}, {', '.join(FORMATS)}.")
+    ranked = sorted(LOADS, key=lambda c: -len(loading_engines(*c)))
+    if fused_family:
+        ranked = [FUSED_EXPERTS]
+    fitting = [c for c in ranked if _expert_misfit(c[1], experts) is None]
+    wanted = [c for c in ranked if options.format in (AUTO, c[0]) and options.scheme in (AUTO, c[1])]
+    if not wanted and fused_family:
+        raise UserError(f"--format {options.format} --scheme {options.scheme} is not available for {fused_family}, "
+                        "whose experts are fused tensors that engines load with per-tensor scales only; use "
+                        f"{_flags(*FUSED_EXPERTS)}.")
+    if not wanted:
+        others = [c for c in fitting if options.scheme in (AUTO, c[1])] or fitting
+        raise UserError(f"--format {options.format} stores only {' or '.join(FORMATS[options.format].schemes)} "
+                        f"scales, so no engine would read it with --scheme {options.scheme}; "
+                        f"use {_flags(*others[0])}.")
+    usable = [c for c in wanted if c in fitting]
+    if not usable:
+        name, why = _expert_misfit(wanted[0][1], experts)
+        raise UserError(f"--scheme {wanted[0][1]} does not fit this checkpoint's routed experts: in '{name}', "
+                        f"{why}; use {_flags(*fitting[0])}.")
+    fmt, scheme = usable[0]
+    return replace(options, format=fmt, scheme=scheme)
+
+
+def _expert_misfit(scheme: str, experts: list[tuple[str, tuple[int, ...]]]) -> tuple[str, str] | None:
+    for name, shape in experts:
+        if why := SCHEMES[scheme].misfit(shape):
+            return name, why
+    return None
+
+
+def block_tp_sizes(expert_widths: set[int], block: int) -> list[int]:
+    """Tensor-parallel sizes at which every rank's share of each expert width is whole blocks, as
+    vLLM's block-FP8 MoE requires (e.g. width 768 stops at TP=8: 96 is not a multiple of 128)."""
+    return [tp for tp in TP_SIZES if all(width % (tp * block) == 0 for width in expert_widths)]
