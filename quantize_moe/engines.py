@@ -87,5 +87,6 @@ def _expert_misfit(scheme: str, experts: list[tuple[str, tuple[int, ...]]]) -> t
 
 def block_tp_sizes(expert_widths: set[int], block: int) -> list[int]:
     """Tensor-parallel sizes at which every rank's share of each expert width is whole blocks, as
-    vLLM's block-FP8 MoE requires (e.g. width 768 stops at TP=8: 96 is not a multiple of 128)."""
+    vLLM's block-FP8 MoE requires (e.g. width 768 stops at TP=4: 192 is not a multiple of 128).
+    Expert parallelism keeps experts whole and is not limited by this."""
     return [tp for tp in TP_SIZES if all(width % (tp * block) == 0 for width in expert_widths)]

@@ -1,0 +1,109 @@
+"""Real clients read our output: transformers (with accelerate) on CPU and the compressed-tensors library.
+
+transformers' GPU FP8 path fetches kernels from the Hub at run time, so CI checks its CPU path, which
+dequantizes FP8 weights at load; the GPU check of the quantized model is `validate`.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import match_name
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+from transformers.utils import logging as transformers_logging
+
+from block_checkpoints import block_friendly_builder
+from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.dequantize import dequantize_checkpoint
+from quantize_moe.engines import LOADS, loading_engines
+from quantize_moe.evaluate import fp8_perplexity, heldout_perplexity
+from quantize_moe.fp8 import FP8_DTYPE
+from quantize_moe.plan import Options
+from quantize_moe.quantize import quantize_checkpoint
+
+FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
+FOR_TRANSFORMERS = [c for c in LOADS if "transformers" in loading_engines(*c)]
+NOT_FOR_TRANSFORMERS = [c for c in LOADS if c not in FOR_TRANSFORMERS]
+DEQUANTIZE_AT_LOAD = {"fp8": FineGrainedFP8Config(dequantize=True),
+                      "compressed-tensors": CompressedTensorsConfig(dequantize=True)}
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def block_friendly(tmp_path_factory):
+    transformers_logging.set_verbosity_error()
+    return block_friendly_builder(tmp_path_factory.mktemp("clients"))
+
+
+def _quantize(src: Path, out: Path, fmt: str, scheme: str) -> Path:
+    quantize_checkpoint(src, out, Options(format=fmt, scheme=scheme), show_progress=False)
+    return out
+
+
+def _load(folder: Path, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kwargs).eval()
+
+
+@torch.no_grad()
+def _logits(model) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    return model(ids).logits.float()
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")  # we pass only `dequantize`
+@pytest.mark.parametrize("fmt,scheme", FOR_TRANSFORMERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_loads_our_output_as_we_dequantize_it(family, fmt, scheme, block_friendly, tmp_path):
+    src = block_friendly(family)
+    out = _quantize(src, tmp_path / "fp8", fmt, scheme)
+    dequantize_checkpoint(out, tmp_path / "ours")
+    ours = _load(tmp_path / "ours").state_dict()
+    theirs = _load(out, quantization_config=DEQUANTIZE_AT_LOAD[fmt]).state_dict()
+    assert theirs.keys() == ours.keys()
+    for name, value in ours.items():
+        assert torch.equal(theirs[name], value), name
+
+    # The default load (for compressed-tensors it also fake-quantizes activations) stays within FP8
+    # error of bf16; per-token median, since a random router flips the top-k of a few near-tied tokens.
+    bf16, fp8 = _logits(_load(src)), _logits(_load(out))
+    per_token = (fp8 - bf16).norm(dim=-1) / bf16.norm(dim=-1)
+    assert per_token.median() < 0.1
+
+
+@pytest.mark.parametrize("fmt,scheme", NOT_FOR_TRANSFORMERS)
+def test_transformers_fails_loudly_where_the_engine_table_says_no(fmt, scheme, block_friendly, tmp_path):
+    out = _quantize(block_friendly("mixtral"), tmp_path / "fp8", fmt, scheme)
+    with pytest.raises(RuntimeError):
+        _logits(_load(out))
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_compressed_tensors_decompresses_to_our_values(scheme, block_friendly, tmp_path):
+    out = _quantize(block_friendly("deepseek_v3"), tmp_path / "ct", "compressed-tensors", scheme)
+    dequantize_checkpoint(out, tmp_path / "ours")
+    fp8, ours = Checkpoint(out), Checkpoint(tmp_path / "ours")
+    config = QuantizationConfig.model_validate(fp8.raw_config["quantization_config"])
+    group = config.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    linear_weights = [n for n, info in fp8.tensors.items() if n.endswith(".weight") and len(info.shape) == 2
+                      and "embed" not in n]
+    for name in linear_weights:
+        module = name.removesuffix(".weight")
+        quantized = fp8.tensors[name].dtype == FP8_DTYPE
+        assert quantized != any(match_name(module, entry) for entry in config.ignore), module
+        if quantized:
+            state = {"weight": fp8.get(name), "weight_scale": fp8.get(f"{module}.weight_scale")}
+            assert torch.equal(compressor.decompress(state, group)["weight"].to(torch.bfloat16), ours.get(name)), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (FIXTURES / "tiny-mixtral-trained").is_dir(), reason="../shared/fixtures is absent")
+def test_trained_fixture_perplexity_stays_within_0_2_percent_of_bf16(tmp_path):
+    """A quick version of scripts/fixture_perplexity.py (8 windows instead of 64)."""
+    src, data = FIXTURES / "tiny-mixtral-trained", (FIXTURES / "heldout-python-source.bin").read_bytes()
+    bf16 = heldout_perplexity(_load(src), data, windows=8)
+    for fmt, scheme in LOADS:
+        _, _, ppl = fp8_perplexity(src, data, Options(format=fmt, scheme=scheme), tmp_path / f"{fmt}-{scheme}", 8)
+        assert ppl / bf16 < 1.002, (fmt, scheme, ppl / bf16)
