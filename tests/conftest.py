@@ -34,3 +34,21 @@ def shared_fixtures() -> Path:
     if not (SHARED_FIXTURES / "tiny-mixtral-trained").is_dir():
         pytest.skip("../shared/fixtures is not present")
     return SHARED_FIXTURES
+
+
+# hidden 256 x expert width 128: every expert weight spans a non-square grid of 128x128 blocks ([1, 2] or
+# [2, 1]), so block FP8 applies; some attention Linears still break blocks and stay in bf16.
+BLOCK_FRIENDLY = {
+    "mixtral": dict(hidden_size=256, intermediate_size=128),
+    "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
+                      shared_expert_intermediate_size=256),
+    "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n_routed_experts=4,
+                        num_key_value_heads=4, q_lora_rank=128),
+}
+
+
+@pytest.fixture(scope="session")
+def block_friendly(tiny_checkpoint):
+    """block_friendly(model_type) -> folder of a tiny checkpoint whose experts fit 128x128 blocks."""
+    return lambda model_type: tiny_checkpoint(model_type, max_shard_size="1MB", initializer_range=0.0625,
+                                              **BLOCK_FRIENDLY[model_type])

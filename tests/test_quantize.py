@@ -21,7 +21,8 @@ from quantize_moe.quantize import quantize_checkpoint
 from quantize_moe.tiny import TINY_CONFIGS
 
 FAMILIES = sorted(t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal)
-SMALL_SHARDS = Options(max_shard_size=60_000)
+# Per-tensor native fp8 throughout; the other formats and schemes are tested in test_schemes.py.
+SMALL_SHARDS = Options(format="fp8", scheme="tensor", max_shard_size=60_000)
 
 
 def scale_of(name: str) -> str:
@@ -175,7 +176,8 @@ def test_stacked_view_of_src_equals_dequantized_stacked_view_of_dst(quantized, m
 
 def test_experts_only_keeps_attention_and_dense_mlps(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("deepseek_v3")
-    summary = quantize_checkpoint(src, tmp_path / "out", Options(experts_only=True), show_progress=False)
+    summary = quantize_checkpoint(src, tmp_path / "out", Options(experts_only=True, format="fp8", scheme="tensor"),
+                                  show_progress=False)
     decisions = summary.plan.decisions
     for name, d in decisions.items():
         if d.role.kind in (Kind.ROUTED_EXPERT, Kind.SHARED_EXPERT):

@@ -8,7 +8,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from block_checkpoints import block_friendly_builder
 from quantize_moe import fp8
 from quantize_moe.check import check_expert_weights
 from quantize_moe.checkpoint import Checkpoint
@@ -16,24 +15,18 @@ from quantize_moe.cli import app
 from quantize_moe.engines import LOADS, block_tp_sizes
 from quantize_moe.errors import UserError
 from quantize_moe.formats import ignore_entries, read_quantization
-from quantize_moe.moe.methods import expand_scale
+from quantize_moe.moe.quant_spec import expand_weight_scale
 from quantize_moe.plan import Options, make_plan
 from quantize_moe.quantize import quantize_checkpoint
 from quantize_moe.schemes import SCHEMES
-from quantize_moe.tiny import build_tiny_checkpoint
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.2"
 
 
 @pytest.fixture(scope="session")
-def block_friendly(tmp_path_factory):
-    return block_friendly_builder(tmp_path_factory.mktemp("block-friendly"))
-
-
-@pytest.fixture(scope="session")
-def narrow_mixtral(tmp_path_factory):
+def narrow_mixtral(tiny_checkpoint):
     """Hidden 64, expert width 96: no dimension is a multiple of 128."""
-    return build_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("narrow") / "mixtral")
+    return tiny_checkpoint("mixtral")
 
 
 def _padded_block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -65,7 +58,7 @@ def test_quantized_weights_are_within_fp8_rounding(scheme, scale_dtype, monkeypa
         assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
         block = s.block if scheme == "block" else None
         deq = fp8.dequantize(q.weight, q.scale, block=block)
-        expanded = expand_scale(q.scale[None], (1, *original.shape), s.moe_spec)[0]
+        expanded = expand_weight_scale(q.scale[None], s.moe_spec, (1, *original.shape))[0]
         assert ((deq - original.float()).abs() <= fp8.rounding_bound(original, expanded)).all()
 
 
