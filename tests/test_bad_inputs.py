@@ -144,8 +144,9 @@ CASES = {
     "quantized, no way back": (
         lambda src, _: edit_config(src, lambda c: c.update(quantization_config={"quant_method": "gptq"})),
         ["already quantized (gptq)", "cannot dequantize"], True),
-    "quantized fp8": (
-        lambda src, _: edit_config(src, lambda c: c.update(quantization_config={"quant_method": "fp8"})),
+    "quantized fp8": (  # refused when asked for the very format and scheme it is already in
+        lambda src, _: edit_config(src, lambda c: c.update(quantization_config={"quant_method": "fp8"}))
+        or ["--format", "fp8", "--scheme", "tensor"],
         ["already quantized (fp8)", "quantize-moe dequantize"], True),
     "mixed dtypes in a scale group": (lambda src, _: edit_tensor(src, EXPERT_UP, lambda t: t.float()),
                                       [EXPERT_UP, "shares its scale", "torch.float32"], True),

@@ -91,7 +91,8 @@ def test_bad_max_shard_size(tiny_checkpoint, tmp_path):
 def test_already_quantized_input_is_refused(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("mixtral")
     assert invoke("quantize", src, tmp_path / "fp8", "--format", "fp8", "--no-progress").exit_code == 0
-    assert_user_error(invoke("quantize", tmp_path / "fp8", tmp_path / "again"), "already quantized (fp8)")
+    assert_user_error(invoke("quantize", tmp_path / "fp8", tmp_path / "again", "--format", "fp8"),
+                      "already quantized (fp8)")
 
 
 def test_expert_count_mismatch(tiny_checkpoint, tmp_path):

@@ -177,3 +177,12 @@ def test_quantize_cli_refuses_a_combination_in_one_sentence(narrow_mixtral, tmp_
 
 def test_block_scale_grid_of_a_partial_block_weight_is_rounded_up():
     assert SCHEMES["block"].scale_shape((576, 7168)) == (math.ceil(576 / 128), 56)
+
+
+def test_fused_expert_families_resolve_to_native_per_tensor_and_refuse_the_rest(tiny_checkpoint):
+    src = Checkpoint(tiny_checkpoint("dbrx"))
+    options = make_plan(src).options
+    assert (options.format, options.scheme) == ("fp8", "tensor")
+    with pytest.raises(UserError, match="fused tensors that engines load with per-tensor scales only; "
+                                        "use --format fp8 --scheme tensor"):
+        make_plan(src, Options(format="compressed-tensors"))
