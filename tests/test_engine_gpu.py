@@ -29,9 +29,9 @@ def test_kernel_bytes_equal_cpu(scheme, shape):
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_cuda_checkpoint_equals_cpu_checkpoint(tiny_checkpoint, tmp_path, scheme):
-    src = tiny_checkpoint("mixtral")
-    options = Options(scheme=scheme, max_shard_size=60_000)
+def test_cuda_checkpoint_equals_cpu_checkpoint(tiny_checkpoint, block_friendly, tmp_path, scheme):
+    src = block_friendly("mixtral") if scheme == "block" else tiny_checkpoint("mixtral")
+    options = Options(scheme=scheme, max_shard_size=60_000)  # channel: compressed-tensors, bf16 scales
     quantize_checkpoint(src, tmp_path / "cpu", options, show_progress=False)
     devices = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
     quantize_checkpoint(src, tmp_path / "cuda", options, device=devices, workers=3, show_progress=False)
