@@ -15,13 +15,13 @@ no gaps and ends the file.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from safetensors import TensorSpec, safe_open, serialize_file
 
@@ -44,7 +44,9 @@ def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous CPU tensor, writable, without a copy (the caller keeps `tensor` alive)."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
@@ -98,12 +100,14 @@ class ShardFile:
         self.path = path
         self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
         sizes = {t.name: t.nbytes for t in tensors}
-        zeros = mmap.mmap(-1, max([1, *sizes.values()]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                          prot=mmap.PROT_READ)
-        address = np.frombuffer(zeros, np.uint8).ctypes.data
+        # Private anonymous pages that are only read all map the kernel's one zero page: no resident memory.
+        zeros = mmap.mmap(-1, max([1, *sizes.values()]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        first_byte = ctypes.c_char.from_buffer(zeros)
+        address = ctypes.addressof(first_byte)
         specs = {t.name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
                                     data_ptr=address, data_len=t.nbytes) for t in tensors}
         serialize_file(specs, self.partial, {"format": "pt"})
+        del first_byte  # the mapping cannot close while a ctypes object points into it
         zeros.close()
         self.offsets = data_offsets(self.partial, sizes)
         self.fd = os.open(self.partial, os.O_WRONLY)
