@@ -4,7 +4,9 @@ Every run is a separate process on a warm page cache (each checkpoint is read
 once before its runs); wall time and the peak RSS of that process (from
 `wait4`) are recorded. Pairs: our per-channel scheme vs llm-compressor's
 FP8_DYNAMIC, our block scheme vs its FP8_BLOCK. llm-compressor runs from its
-own virtual environment (--llmc-python), never from this project's.
+own virtual environment (--llmc-python), never from this project's. With
+--repeat N the two tools take turns N times and the ratios use each one's
+median (a shared machine's disk and page cache vary from run to run).
 
     python scripts/bench_quantize.py /work/bench-data/mixtral-n2 --llmc-python /work/llmc-venv/bin/python \\
         --memory /work/bench-data/mixtral-n8 --out /work/bench-data/out
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -47,6 +50,11 @@ def measure(command: list[str], cwd: str | None = None) -> tuple[float, float, f
         raise SystemExit(f"failed: {' '.join(command)}")
     os.sync()
     return seconds, time.perf_counter() - start - seconds, usage.ru_maxrss * 1024 / 1e9
+
+
+def median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median wall seconds and median peak RSS of several runs."""
+    return statistics.median(s for s, _ in runs), statistics.median(r for _, r in runs)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -86,18 +94,22 @@ def main() -> None:
     parser.add_argument("--memory", type=Path, nargs="*", default=[],
                         help="larger checkpoints to quantize too (peak RSS must not grow with the model)")
     parser.add_argument("--disk-rate", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each tool and scheme, taking turns")
     args = parser.parse_args()
 
     table = Table(title=f"quantize {args.checkpoint.name} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
-    for column in ("tool", "scheme", "device", "input GB", "wall s", "input GB/s", "output GB/s", "+ sync s",
+    for column in ("tool", "scheme", "device", "run", "input GB", "wall s", "input GB/s", "output GB/s", "+ sync s",
                    "peak RSS GB"):
         table.add_column(column)
     input_bytes = folder_bytes(args.checkpoint)
 
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+
     def add(tool, scheme, device, source_bytes, measured, dst):
         seconds, sync, rss = measured
         out_bytes = folder_bytes(dst)
-        table.add_row(tool, scheme, device, f"{source_bytes / 1e9:.2f}", f"{seconds:.1f}",
+        runs.setdefault((tool, scheme), []).append((seconds, rss))
+        table.add_row(tool, scheme, device, str(len(runs[tool, scheme])), f"{source_bytes / 1e9:.2f}", f"{seconds:.1f}",
                       f"{source_bytes / seconds / 1e9:.2f}", f"{out_bytes / seconds / 1e9:.2f}", f"{sync:.1f}",
                       f"{rss:.2f}")
         Console(stderr=True).print(f"{tool} {scheme} {device}: {seconds:.1f} s, {rss:.2f} GB")
@@ -106,16 +118,17 @@ def main() -> None:
     warm(args.checkpoint)
     out_bytes = 0
     for scheme in args.schemes.split(","):
-        dst = args.out / f"ours-{scheme}"
-        measured = measure(ours(args.checkpoint, dst, scheme, args.device, args.workers))
-        out_bytes = add("quantize-moe", scheme, args.device, input_bytes, measured, dst)
-        shutil.rmtree(dst)
-        if args.llmc_python:
-            dst = args.out / f"llmc-{scheme}"
-            measured = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
-                                LLMC_SCHEME[scheme]], cwd="/")  # our kernels/ folder would shadow HF's `kernels`
-            add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, measured, dst)
+        for _ in range(args.repeat):
+            dst = args.out / f"ours-{scheme}"
+            measured = measure(ours(args.checkpoint, dst, scheme, args.device, args.workers))
+            out_bytes = add("quantize-moe", scheme, args.device, input_bytes, measured, dst)
             shutil.rmtree(dst)
+            if args.llmc_python:
+                dst = args.out / f"llmc-{scheme}"
+                measured = measure([args.llmc_python, "-c", LLMC_SNIPPET, str(args.checkpoint), str(dst),
+                                    LLMC_SCHEME[scheme]], cwd="/")  # our kernels/ folder would shadow HF's `kernels`
+                add("llm-compressor", LLMC_SCHEME[scheme], "cpu", input_bytes, measured, dst)
+                shutil.rmtree(dst)
     for folder in args.memory:
         scheme = args.schemes.split(",")[0]
         dst = args.out / f"ours-{folder.name}"
@@ -123,6 +136,12 @@ def main() -> None:
         add("quantize-moe", scheme, args.device, folder_bytes(folder), measured, dst)
         shutil.rmtree(dst)
     Console(width=160).print(table)
+    for scheme in args.schemes.split(","):
+        ours_runs, theirs = runs.get(("quantize-moe", scheme)), runs.get(("llm-compressor", LLMC_SCHEME[scheme]))
+        if ours_runs and theirs:
+            (our_s, our_rss), (their_s, their_rss) = median(ours_runs), median(theirs)
+            print(f"{scheme}: median {our_s:.1f} s vs {their_s:.1f} s: {their_s / our_s:.1f}x the throughput of "
+                  f"llm-compressor {LLMC_SCHEME[scheme]}, at {our_rss / their_rss:.2f}x its peak RSS")
     if args.disk_rate:
         args.out.mkdir(parents=True, exist_ok=True)
         for fsync in (False, True):
