@@ -93,7 +93,7 @@ def quantize(
                                                 "devices [default: one per core on cpu, 3 per GPU].")] = None,
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
-    a manifest of every file's size and sha256, a model card, and every other file of SRC unchanged."""
+    a manifest of every file's size and digest, a model card, and every other file of SRC unchanged."""
     from quantize_moe.hub import open_source
     from quantize_moe.model_card import record_run, write_card
     from quantize_moe.quantize import quantize_checkpoint

@@ -9,9 +9,13 @@ arithmetic overlap, and the CPU path uses every core.
 
 Memory is bounded by the work, not the model: a worker's buffers hold the
 largest quantized work item (gate and up of one expert, say) and are allocated
-once, so no page is faulted in twice; tensors kept unchanged go file to file
-with `copy_file_range` and never enter the process. Peak RSS is workers x the
+once, so no page is faulted in twice; tensors kept unchanged are copied through
+a bounded buffer (checked for NaN/Inf on the way). Peak RSS is workers x the
 largest group, plus torch and Python.
+
+Each worker hashes what it writes, so a shard's digest for the manifest
+(`quantize_moe.digests`) is ready the moment its last tensor is written,
+without reading the shard back.
 
 Which worker does which item changes nothing on disk: every tensor has its
 place in its shard before anything is read, so the output is byte-identical
@@ -37,6 +41,7 @@ from typing import Callable
 import torch
 
 from quantize_moe import fp8
+from quantize_moe.digests import shard_digest
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Plan, WorkItem
 from quantize_moe.tensor_files import ShardFile, data_offsets, read_into
@@ -125,9 +130,10 @@ def _views(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
 
 class OutputShards:
     """The output shards of a plan: each is created when its first item starts and renamed
-    to its final name when its last item is written; `on_finished` is called one at a time."""
+    to its final name when its last item is written; `on_finished(name, digest)` is called one
+    at a time."""
 
-    def __init__(self, plan: Plan, dst: Path, on_finished: Callable[[str], None]):
+    def __init__(self, plan: Plan, dst: Path, on_finished: Callable[[str, str], None]):
         self.on_finished = on_finished
         self.names = [dst / name for name in plan.shard_names]
         self.tensors = [[o for item in items for o in item.outputs] for items in plan.shards]
@@ -148,10 +154,11 @@ class OutputShards:
         with self.lock:
             self.items_left[index] -= 1
             complete = self.open.pop(index) if self.items_left[index] == 0 else None
-        if complete is not None:  # renamed and recorded (hashed) while the other workers go on
+        if complete is not None:  # renamed and recorded while the other workers go on
             complete.finish()
             with self.finish_lock:
-                self.on_finished(self.names[index].name)
+                self.on_finished(self.names[index].name,
+                                 shard_digest(complete.header_sha256, complete.tensor_sha256s()))
 
     def abort(self) -> None:
         with self.lock:
@@ -250,7 +257,7 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
 
 def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, skip: set[str] = frozenset(),
         on_item_done: Callable[[WorkItem], None] = lambda item: None,
-        on_shard_finished: Callable[[str], None] = lambda name: None) -> None:
+        on_shard_finished: Callable[[str, str], None] = lambda name, digest: None) -> None:
     """Write every output shard of `plan` but those in `skip` (already finished) into `dst`, with
     `workers` workers spread over `devices`."""
     todo = [item for name, items in zip(plan.shard_names, plan.shards) if name not in skip for item in items]

@@ -1,9 +1,10 @@
-"""The manifest: which output files of a run are finished, with their sizes and hashes.
+"""The manifest: which output files of a run are finished, with their sizes and digests.
 
 It lives in DST as `quantize-moe-manifest.json` and is rewritten (atomically) after
 every output shard is renamed into place, so after a kill at any point it lists
 exactly the shards that are whole. `--resume` keeps a shard only when the manifest
-lists it and the file on disk still has that size and sha256; everything else is
+lists it and the file on disk still has that size and digest (`quantize_moe.digests`:
+a sha256 of the file, or for a shard one over its header and tensors); everything else is
 written again. When the run ends the manifest lists every file of the checkpoint
 and says `complete`, so a truncated or altered file is detectable later.
 
@@ -21,24 +22,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quantize_moe import __version__
+from quantize_moe.digests import file_digest
 from quantize_moe.errors import UserError
 from quantize_moe.output import MANIFEST_NAME, write_json
 from quantize_moe.plan import Plan
-_HASH_CHUNK = 16 * 2**20
 
 
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    sha256: str
+    digest: str
 
     @classmethod
     def of(cls, path: Path) -> FileRecord:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-        return cls(path.stat().st_size, digest.hexdigest())
+        return cls(path.stat().st_size, file_digest(path))
 
 
 def run_fingerprint(plan: Plan) -> str:
@@ -78,7 +75,7 @@ class Manifest:
             return None
         try:
             data = json.loads(path.read_text())
-            files = {name: FileRecord(int(r["size"]), str(r["sha256"])) for name, r in data["files"].items()}
+            files = {name: FileRecord(int(r["size"]), str(r["digest"])) for name, r in data["files"].items()}
             return cls(dst, str(data["run"]), files, bool(data["complete"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UserError(f"'{path}' is damaged; rerun with --overwrite instead of --resume.") from None
@@ -96,7 +93,7 @@ class Manifest:
         return found
 
     def matches(self, name: str) -> bool:
-        """Whether `name` is listed and the file in DST still has its recorded size and sha256: a
+        """Whether `name` is listed and the file in DST still has its recorded size and digest: a
         finished shard when resuming, an intact file when checking a finished checkpoint."""
         record = self.files.get(name)
         path = self.dst / name
@@ -110,9 +107,11 @@ class Manifest:
         return sum(r.size for name, r in self.files.items()
                    if (self.dst / name).is_file() and (self.dst / name).stat().st_size == r.size)
 
-    def record(self, name: str) -> None:
-        """Call after `name` is renamed into place in DST: from now on it counts as finished."""
-        self.files[name] = FileRecord.of(self.dst / name)
+    def record(self, name: str, digest: str | None = None) -> None:
+        """Call after `name` is renamed into place in DST: from now on it counts as finished. `digest`
+        is the one the writer computed; without it the file is read to compute it."""
+        path = self.dst / name
+        self.files[name] = FileRecord(path.stat().st_size, digest) if digest else FileRecord.of(path)
         self.save()
 
     def finish(self, names: list[str]) -> None:

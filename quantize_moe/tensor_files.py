@@ -1,12 +1,15 @@
 """Tensor bytes read and written in place inside safetensors files.
 
 The engine never holds a whole shard. It reads each source tensor with one
-`pread` into a buffer it reuses, and writes an output shard in two steps:
-safetensors' own serializer lays the file out (header and every tensor's
-place), filled from a read-only zero mapping, which costs no resident memory;
-then each tensor's bytes are written into its place as soon as they exist.
-The zero fill costs one memory copy of the shard into the page cache, far less
-than holding the shard, and it keeps the header safetensors' business.
+`pread` into a buffer it reuses, and writes an output shard in two steps: the
+shard is laid out (safetensors' own header, then a data region of the right
+size that is allocated but never written), and each tensor's bytes are written
+into its place as soon as they exist. Only the real bytes are ever written,
+once; allocating the region up front (`fallocate`) makes those writes about
+twice as fast as filling a hole, and a full disk fails before any work.
+
+safetensors' serializer only writes whole files, so the header is assembled
+here from what the serializer says about empty stand-ins (`safetensors_header`).
 
 Where a tensor lies comes from `safe_open(...).offset_keys()` (tensors in data
 order) and the format's rule that the data region holds them back to back with
@@ -17,22 +20,70 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
+import hashlib
+import json
+import math
 import os
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import TensorSpec, safe_open, serialize_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
+from quantize_moe.checkpoint import SAFETENSORS_DTYPES
 from quantize_moe.output import PARTIAL_SUFFIX
 from quantize_moe.plan import OutputTensor
 
 COPY_BUFFER_BYTES = 64 << 20  # a multiple of every dtype's size
+HEADER_LENGTH_BYTES = 8  # the little-endian u64 that starts every safetensors file
+HEADER_ALIGNMENT = 8  # safetensors pads its JSON header with spaces to a multiple of this
+
+
+def safetensors_header(tensors: list[OutputTensor], metadata: dict[str, str]) -> bytes:
+    """The bytes a safetensors file of these tensors starts with (length and JSON header), byte for byte
+    as safetensors' serializer writes them, without the data that follows.
+
+    safetensors has no call that lays a file out without writing its data, so the serializer is asked
+    for what depends on its rules (the data order and the dtype names) with one-element stand-ins, and the
+    shapes and offsets are filled in here; tests check the result against the serializer's own output.
+    """
+    layout = _read_header(save({t.name: torch.zeros(1, dtype=t.dtype) for t in tensors}, metadata))
+    header = {"__metadata__": layout.pop("__metadata__")} if "__metadata__" in layout else {}
+    offset, by_name = 0, {t.name: t for t in tensors}
+    for name, entry in sorted(layout.items(), key=lambda item: item[1]["data_offsets"]):
+        tensor = by_name[name]
+        header[name] = {"dtype": entry["dtype"], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % HEADER_ALIGNMENT)
+    return len(text).to_bytes(HEADER_LENGTH_BYTES, "little") + text
+
+
+def _read_header(serialized: bytes) -> dict:
+    length = int.from_bytes(serialized[:HEADER_LENGTH_BYTES], "little")
+    return json.loads(serialized[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length])
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def allocate(fd: int, size: int, path: Path) -> None:
+    """Make the file `size` bytes long with its blocks allocated (reading as zeros) where the file
+    system can (`fallocate`), else as a hole (`ftruncate`): never by writing zeros."""
+    if _libc.fallocate(fd, 0, 0, size) == 0:
+        return
+    error = ctypes.get_errno()
+    if error not in (errno.EOPNOTSUPP, errno.ENOSYS):
+        raise OSError(error, os.strerror(error), str(path))
+    os.ftruncate(fd, size)
 
 
 def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
-    """File offset of each tensor's first byte; `sizes` are the byte sizes of all tensors in the file."""
+    """File offset of each tensor's first byte, in file order; `sizes` are the byte sizes of all
+    tensors in the file."""
     with safe_open(path, framework="pt") as f:
         order = f.offset_keys()
     offset = os.path.getsize(path) - sum(sizes[name] for name in order)
@@ -41,6 +92,19 @@ def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
         offsets[name] = offset
         offset += sizes[name]
     return offsets
+
+
+def tensor_regions(path: Path) -> dict[str, tuple[int, int]] | None:
+    """(offset, byte size) of every tensor of a safetensors file in file order, or None when safetensors
+    cannot read the file or it holds a dtype torch lacks."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.offset_keys()}
+            sizes = {name: SAFETENSORS_DTYPES[s.get_dtype()].itemsize * math.prod(s.get_shape())
+                     for name, s in slices.items()}
+    except (SafetensorError, KeyError):
+        return None
+    return {name: (offset, sizes[name]) for name, offset in data_offsets(path, sizes).items()}
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -60,28 +124,21 @@ def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
-    view = _as_bytes(tensor)
+    write_all_at(fd, offset, _as_bytes(tensor))
+
+
+def write_all_at(fd: int, offset: int, view: memoryview | bytes) -> None:
+    view = memoryview(view)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int,
-               check: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Copy bytes file to file inside the kernel, so they never enter this process's memory. When the
-    bytes must be looked at (`check` sees each chunk), or across file systems that refuse
-    `copy_file_range`, through a bounded buffer."""
-    if check is None:
-        try:
-            while count:
-                n = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
-                if n == 0:
-                    raise EOFError(f"source ended {count} bytes early at offset {src_offset}")
-                src_offset, dst_offset, count = src_offset + n, dst_offset + n, count - n
-            return
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
+               check: Callable[[torch.Tensor], None] | None = None) -> bytes:
+    """Copy bytes file to file through a bounded buffer; `check` sees each chunk on the way. Returns
+    the sha256 of the bytes."""
+    digest = hashlib.sha256()
     buffer = torch.empty(min(count, COPY_BUFFER_BYTES), dtype=torch.uint8)
     while count:
         chunk = buffer[:min(count, len(buffer))]
@@ -89,35 +146,39 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
         if check is not None:
             check(chunk)
         write_at(dst_fd, dst_offset, chunk)
+        digest.update(_as_bytes(chunk))
         src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
+    return digest.digest()
 
 
 class ShardFile:
     """One output shard under its temporary name: laid out at creation, filled tensor by tensor,
-    renamed to its final name by `finish` once every tensor is written."""
+    renamed to its final name by `finish` once every tensor is written. It keeps the sha256 of its
+    header and of every tensor written, for the shard's digest (`quantize_moe.digests`)."""
 
     def __init__(self, path: Path, tensors: list[OutputTensor]):
         self.path = path
         self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        sizes = {t.name: t.nbytes for t in tensors}
-        # Private anonymous pages that are only read all map the kernel's one zero page: no resident memory.
-        zeros = mmap.mmap(-1, max([1, *sizes.values()]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        first_byte = ctypes.c_char.from_buffer(zeros)
-        address = ctypes.addressof(first_byte)
-        specs = {t.name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                                    data_ptr=address, data_len=t.nbytes) for t in tensors}
-        serialize_file(specs, self.partial, {"format": "pt"})
-        del first_byte  # the mapping cannot close while a ctypes object points into it
-        zeros.close()
-        self.offsets = data_offsets(self.partial, sizes)
-        self.fd = os.open(self.partial, os.O_WRONLY)
+        header = safetensors_header(tensors, {"format": "pt"})
+        self.header_sha256 = hashlib.sha256(header).digest()
+        self.tensor_sha256: dict[str, bytes] = {}
+        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        write_all_at(self.fd, 0, header)
+        allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
+        self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        write_at(self.fd, self.offsets[name], tensor)
+        view = _as_bytes(tensor)
+        write_all_at(self.fd, self.offsets[name], view)
+        self.tensor_sha256[name] = hashlib.sha256(view).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:
-        copy_range(src_fd, src_offset, self.fd, self.offsets[name], count, check)
+        self.tensor_sha256[name] = copy_range(src_fd, src_offset, self.fd, self.offsets[name], count, check)
+
+    def tensor_sha256s(self) -> list[bytes]:
+        """The sha256 of every tensor, in file order (all of them must have been written)."""
+        return [self.tensor_sha256[name] for name in self.offsets]
 
     def finish(self) -> None:
         os.close(self.fd)
@@ -126,4 +187,3 @@ class ShardFile:
     def abort(self) -> None:
         os.close(self.fd)
         self.partial.unlink(missing_ok=True)
-

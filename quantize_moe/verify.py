@@ -244,7 +244,7 @@ def check_coverage(inventory: Inventory) -> Finding:
 
 # -- integrity --------------------------------------------------------------------------------------
 def check_integrity(checkpoint: Checkpoint) -> Finding:
-    """Every file the run's manifest lists still has its size and sha256, and the run finished. Shard
+    """Every file the run's manifest lists still has its size and digest, and the run finished. Shard
     sizes against their own headers are already checked when the checkpoint is opened."""
     folder = checkpoint.folder
     try:
@@ -258,11 +258,11 @@ def check_integrity(checkpoint: Checkpoint) -> Finding:
     for name in sorted(manifest.files):
         inside(folder, name, f"'{manifest.path}'")
         if not manifest.matches(name):
-            problems.append(f"'{name}' is missing or no longer has its size and sha256 from the manifest")
+            problems.append(f"'{name}' is missing or no longer has its size and digest from the manifest")
     if not manifest.complete:
         problems.append("the manifest says the run did not finish; rerun quantize with --resume")
     problems += [f"shard '{f}' is not in the manifest" for f in checkpoint.shard_files if f not in manifest.files]
-    return _finding("integrity", problems, f"{len(manifest.files)} files match the sizes and sha256 of "
+    return _finding("integrity", problems, f"{len(manifest.files)} files match the sizes and digests of "
                     f"{MANIFEST_NAME}", "integrity problem(s)")
 
 

@@ -3,9 +3,14 @@ every scheme end to end, and no partial output after a failure."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+
 import pytest
 import torch
-from safetensors.torch import save_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save, save_file
 
 from quantize_moe import fp8
 from quantize_moe.checkpoint import Checkpoint
@@ -13,7 +18,8 @@ from quantize_moe.errors import UserError
 from quantize_moe.plan import Options, OutputTensor
 from quantize_moe.quantize import quantize_checkpoint
 from quantize_moe.schemes import SCHEMES
-from quantize_moe.tensor_files import ShardFile, data_offsets, read_into
+from quantize_moe import tensor_files
+from quantize_moe.tensor_files import ShardFile, data_offsets, read_into, safetensors_header
 
 SMALL_SHARDS = 60_000
 
@@ -33,6 +39,48 @@ def test_shard_file_filled_in_place_equals_save_file(tmp_path):
     shard.finish()
     save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
     assert (tmp_path / "in-place.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+# Same-size dtypes in both orders (bf16/f16, fp8/int8/bool) and every width, to pin safetensors' data order.
+HEADER_DTYPES = [torch.float32, torch.bfloat16, torch.float16, fp8.FP8_DTYPE, torch.int8, torch.uint8, torch.bool,
+                 torch.int64, torch.int32, torch.float64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text("abc._0123456789é", min_size=1, max_size=12),
+                       st.tuples(st.sampled_from(HEADER_DTYPES), st.lists(st.integers(0, 3), max_size=3)),
+                       min_size=1, max_size=12),
+       # One key at most: safetensors writes several in hash order, which differs from run to run.
+       st.sampled_from([None, {"format": "pt"}, {"note": "x" * 9}]))
+def test_header_is_the_serializers_own(specs, metadata):
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+    serialized = save(tensors, metadata)
+    header = safetensors_header([OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], metadata)
+    assert serialized[:len(header)] == header
+    assert len(serialized) == len(header) + sum(t.nbytes for t in tensors.values())
+
+
+class FailingFallocate:
+    def __init__(self, error: int):
+        self.error = error
+
+    def fallocate(self, *args):
+        ctypes.set_errno(self.error)
+        return -1
+
+
+@pytest.mark.parametrize("error", [errno.EOPNOTSUPP, errno.ENOSPC])
+def test_allocate_falls_back_to_a_hole_only_where_fallocate_is_unsupported(tmp_path, monkeypatch, error):
+    path = tmp_path / "shard"
+    monkeypatch.setattr(tensor_files, "_libc", FailingFallocate(error))
+    with open(path, "wb") as f:
+        if error == errno.EOPNOTSUPP:
+            tensor_files.allocate(f.fileno(), 12345, path)
+            assert path.stat().st_size == 12345
+        else:
+            with pytest.raises(OSError, match="No space left") as raised:
+                tensor_files.allocate(f.fileno(), 12345, path)
+            assert raised.value.filename == str(path)
 
 
 def test_data_offsets_locate_every_tensor(tiny_checkpoint):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from quantize_moe.checkpoint import CONFIG_NAME
+from quantize_moe.digests import file_digest
 from quantize_moe.manifest import MANIFEST_NAME, Manifest
 from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snapshot  # noqa: F401
 
@@ -94,6 +95,17 @@ def test_manifest_detects_truncated_and_altered_files(finished):
     os.truncate(shard, shard.stat().st_size - 1)
     (finished / CONFIG_NAME).write_text((finished / CONFIG_NAME).read_text().replace("mixtral", "mixtrak"))
     assert sorted(n for n in manifest.files if not manifest.matches(n)) == [CONFIG_NAME, shard.name]
+
+
+@pytest.mark.parametrize("where", [0, 20, -1])  # header length, header JSON, last tensor's last byte
+def test_shard_digest_changes_with_any_byte(finished, where):
+    shard = finished / "model-00001-of-00003.safetensors"
+    recorded = Manifest.load(finished).files[shard.name].digest
+    assert file_digest(shard) == recorded
+    data = bytearray(shard.read_bytes())
+    data[where] ^= 1
+    shard.write_bytes(data)
+    assert file_digest(shard) != recorded
 
 
 def test_resume_with_other_options_is_refused(mixtral_src, finished):  # noqa: F811
