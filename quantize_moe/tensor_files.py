@@ -4,7 +4,8 @@ The engine never holds a whole shard. It reads each source tensor with one
 `pread` into a buffer it reuses, and writes an output shard in two steps: the
 shard is laid out (safetensors' own header, then a data region of the right
 size that is allocated but never written), and each tensor's bytes are written
-into its place as soon as they exist. Only the real bytes are ever written,
+into its place as soon as they exist, and written behind (`write_behind`): put on disk and
+dropped from the page cache at once. Only the real bytes are ever written,
 once; allocating the region up front (`fallocate`) makes those writes about
 twice as fast as filling a hole, and a full disk fails before any work.
 
@@ -68,6 +69,9 @@ def _read_header(serialized: bytes) -> dict:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4  # <linux/fs.h> SYNC_FILE_RANGE_*
+WRITE_BEHIND_MIN_BYTES = 1 << 20  # smaller writes (scales) are left to the kernel
 
 
 def allocate(fd: int, size: int, path: Path) -> None:
@@ -79,6 +83,20 @@ def allocate(fd: int, size: int, path: Path) -> None:
     if error not in (errno.EOPNOTSUPP, errno.ENOSYS):
         raise OSError(error, os.strerror(error), str(path))
     os.ftruncate(fd, size)
+
+
+def write_behind(fd: int, offset: int, count: int) -> None:
+    """Put `count` written bytes at `offset` on disk now and drop them from the page cache.
+
+    An output left to pile up in the page cache evicts the source there and on a machine smaller
+    than the model ends up written back in bursts that stall every writer; on a VM whose free
+    memory goes back to the host, growing the page cache is itself slow (here: 3.4 GB of buffered
+    writes ran at 0.4-0.6 GB/s, 2.0-2.5 GB/s written behind, the disk takes 3.3 GB/s). The
+    pages written behind are reused for the next writes instead. Where the file system cannot
+    do this, the bytes stay in the page cache as with any write."""
+    if count >= WRITE_BEHIND_MIN_BYTES and _libc.sync_file_range(
+            fd, offset, count, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) == 0:
+        os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
 
 
 def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
@@ -146,6 +164,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
         if check is not None:
             check(chunk)
         write_at(dst_fd, dst_offset, chunk)
+        write_behind(dst_fd, dst_offset, len(chunk))
         digest.update(_as_bytes(chunk))
         src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
     return digest.digest()
@@ -170,6 +189,7 @@ class ShardFile:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         view = _as_bytes(tensor)
         write_all_at(self.fd, self.offsets[name], view)
+        write_behind(self.fd, self.offsets[name], len(view))
         self.tensor_sha256[name] = hashlib.sha256(view).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
