@@ -4,9 +4,17 @@ A tuned table is a JSON file in the `quantize_moe.configs` package named
 
     E={E},N={N},device_name={device}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json
 
-(N is the output width of the first GEMM, 2I; the second GEMM uses the same
-table) mapping a token count to a config dict; the entry whose token count is
-nearest to the actual one is used.
+(N is the output width of the first GEMM, 2I) mapping a token count to an
+entry; the entry whose token count is nearest to the actual one is used. An
+entry is either one launch config for both GEMMs (vLLM's format) or
+{"gemm1": config, "gemm2": config} (what scripts/tune_moe.py writes: the two
+GEMMs have different shapes and want different tiles). Both GEMMs must share
+BLOCK_SIZE_M, because one align step pads the expert runs for both.
+
+A launch config holds CONFIG_KEYS and optionally SPLIT_K (default 1: each
+program owns a whole K loop; more splits the K loop over that many programs,
+which add into a zeroed float32 output) and TMA_B (default false: load weight
+tiles through a TMA descriptor; Hopper and later).
 """
 
 import functools
@@ -18,6 +26,7 @@ import torch
 from quantize_moe.moe.quant_spec import MoEQuantSpec
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+GEMMS = ("gemm1", "gemm2")
 
 
 def config_file_name(num_experts: int, n: int, device_name: str, quant: MoEQuantSpec) -> str:
@@ -29,13 +38,21 @@ def config_file_name(num_experts: int, n: int, device_name: str, quant: MoEQuant
     return ",".join(parts) + ".json"
 
 
+def per_gemm(entry: dict) -> tuple[dict, dict]:
+    """(GEMM1 config, GEMM2 config) of a table entry in either format."""
+    gemm1, gemm2 = (entry["gemm1"], entry["gemm2"]) if "gemm1" in entry else (entry, entry)
+    if gemm1["BLOCK_SIZE_M"] != gemm2["BLOCK_SIZE_M"]:
+        raise ValueError(f"the two GEMMs must share BLOCK_SIZE_M: {gemm1} vs {gemm2}")
+    return gemm1, gemm2
+
+
 @functools.cache
-def load_tuned_table(file_name: str) -> dict[int, dict] | None:
+def load_tuned_table(file_name: str) -> dict[int, tuple[dict, dict]] | None:
     """The table of one shape, keyed by token count, or None if nobody tuned it."""
     path = resources.files("quantize_moe.configs").joinpath(file_name)
     if not path.is_file():
         return None
-    return {int(tokens): config for tokens, config in json.loads(path.read_text()).items()}
+    return {int(tokens): per_gemm(entry) for tokens, entry in json.loads(path.read_text()).items()}
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int, quant: MoEQuantSpec) -> dict:
@@ -54,10 +71,12 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, quant: MoEQuan
     return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=block_k, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
 
 
-def get_config(num_tokens: int, num_experts: int, n: int, top_k: int, quant: MoEQuantSpec) -> dict:
-    """The tuned config nearest in token count for this device and shape, else the heuristic."""
+def get_config(num_tokens: int, num_experts: int, n: int, top_k: int, quant: MoEQuantSpec) -> tuple[dict, dict]:
+    """(GEMM1, GEMM2) configs: the tuned entry nearest in token count for this device and shape,
+    else the heuristic for both."""
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     table = load_tuned_table(config_file_name(num_experts, n, device_name, quant))
     if table:
         return table[min(table, key=lambda tokens: abs(tokens - num_tokens))]
-    return default_config(num_tokens, num_experts, top_k, quant)
+    config = default_config(num_tokens, num_experts, top_k, quant)
+    return config, config

@@ -39,20 +39,35 @@ per-tensor activation scales factor out of the K sum, so they are applied
 once after the loop. 128x128 block scales change every K step, so each step's
 partial product is scaled before it is added (BLOCK_SIZE_K must divide bk).
 
+Split-K: with SPLIT_K > 1 the grid gets a second axis and each program runs
+one SPLIT_K-th of the K loop, adding its partial tile into a zeroed float32 C
+with atomics (scales and the router weight are linear, so each partial is
+scaled before it is added). It multiplies the programs of a decode-size GEMM,
+whose few M-blocks would otherwise leave most SMs without weights to stream.
+TMA: with TMA_B the weight tiles come through Hopper's tensor memory
+accelerator (one descriptor over B as [E*N, K] rows) instead of per-thread
+pointer loads; A's rows are gathered, so A stays on pointers.
+Scalar block scales: when BLOCK_SIZE_N divides the group's bn, a whole
+N-tile shares one weight scale per K step, so the in-loop scaling is one
+scalar times the per-row activation scale.
+
 FP8 accumulation: outside block mode, the K loop accumulates with
-`tl.dot(a, b, acc)` and Triton's default `max_num_imprecise_acc`, which on
+`tl.dot(a, b_tile, acc)` and Triton's default `max_num_imprecise_acc`, which on
 Hopper lets the tensor cores accumulate the whole loop in their reduced-
 precision fp8 accumulator (fast; ~1e-3 relative error, far below the FP8
 rounding itself). Block mode adds each step's dot to acc in fp32, so it is
 promoted every BLOCK_SIZE_K.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantize_moe.kernels.align import moe_align_block_size
-from quantize_moe.kernels.configs import get_config
+from quantize_moe.kernels.configs import get_config, per_gemm
 from quantize_moe.kernels.quant import quantize_fp8
 from quantize_moe.kernels.activation import silu_and_mul
 from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
@@ -61,20 +76,28 @@ from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
 _SCHEME_CODE = {"none": 0, "tensor": 1, "channel": 2, "block": 3}
 
 
-@triton.jit
+# Arguments that vary with the token count or only feed index arithmetic: not specialized,
+# so one compiled kernel serves every batch size and every model's scale layout.
+_RUNTIME_ONLY = ["num_pairs", "num_m_blocks", "a_row_divisor", "stride_asm", "stride_ask",
+                 "stride_bse", "stride_bsn", "stride_bsk", "group_n", "group_k"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ONLY)
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
     N, K, num_pairs, num_m_blocks,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     group_n, group_k,
-    A_ROW_DIVISOR: tl.constexpr,       # top_k for GEMM1 (rows are tokens), 1 for GEMM2
+    a_row_divisor,                     # top_k for GEMM1 (rows are tokens), 1 for GEMM2
     WEIGHT_SCHEME: tl.constexpr,       # 0 none, 1 tensor, 2 channel, 3 block
     PER_ROW_A_SCALE: tl.constexpr,     # a scale per row (token/group) or one scalar
+    SCALAR_B_SCALE: tl.constexpr,      # block scales: one weight scale per (N-tile, K step)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    TMA_B: tl.constexpr,               # b is a tensor descriptor of B as [E*N, K], else a pointer
 ):
     # Grouped ordering: walk GROUP_SIZE_M M-blocks down a column of N-tiles before moving right.
     pid = tl.program_id(0)
@@ -90,33 +113,53 @@ def _grouped_gemm_kernel(
     offs_sorted = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
     pairs = tl.load(sorted_token_ids_ptr + offs_sorted).to(tl.int64)
     pair_mask = pairs < num_pairs
-    a_rows = pairs // A_ROW_DIVISOR
+    a_rows = pairs // a_row_divisor
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
 
-    # Columns past N wrap around (always in bounds); the store masks them out.
+    # This program's share of the K loop (all of it without split-K).
+    num_k_steps = tl.cdiv(K, BLOCK_SIZE_K)
+    steps_per_split = tl.cdiv(num_k_steps, SPLIT_K)
+    first_step = tl.program_id(1) * steps_per_split
+    last_step = tl.minimum(first_step + steps_per_split, num_k_steps)
+
+    # Columns past N wrap around (always in bounds); the store masks them out. (TMA loads instead read
+    # the next expert's rows, or zeros past the last: masked out the same way.)
     offs_n = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    first_k = first_step * BLOCK_SIZE_K
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (first_k + offs_k[None, :]) * stride_ak
+    if TMA_B:
+        b_row = (expert * N + pid_n * BLOCK_SIZE_N).to(tl.int32)
+    else:
+        b_ptrs = b + expert * stride_be + offs_n[None, :] * stride_bn + (first_k + offs_k[:, None]) * stride_bk
 
     if WEIGHT_SCHEME == 3:
         a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
-        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
+        if SCALAR_B_SCALE:
+            b_scale_ptrs = b_scale_ptr + expert * stride_bse + (pid_n * BLOCK_SIZE_N // group_n) * stride_bsn
+        else:
+            b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k_step in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+    for k_step in range(first_step, last_step):
         k_left = K - k_step * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if TMA_B:
+            b_tile = b.load([b_row, k_step * BLOCK_SIZE_K]).T
+        else:
+            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b_ptrs += BLOCK_SIZE_K * stride_bk
         if WEIGHT_SCHEME == 3:
             k_group = (k_step * BLOCK_SIZE_K) // group_k
             a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=pair_mask, other=0.0)
             b_scale = tl.load(b_scale_ptrs + k_group * stride_bsk)
-            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            if SCALAR_B_SCALE:
+                acc += tl.dot(a, b_tile) * (a_scale * b_scale)[:, None]
+            else:
+                acc += tl.dot(a, b_tile) * a_scale[:, None] * b_scale[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b_tile, acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
 
     if WEIGHT_SCHEME == 1 or WEIGHT_SCHEME == 2:
         if PER_ROW_A_SCALE:
@@ -133,13 +176,32 @@ def _grouped_gemm_kernel(
 
     offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & (offs_cn[None, :] < N))
+    c_mask = pair_mask[:, None] & (offs_cn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
 def _scale_strides(scale: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
     """The first `ndim` strides of a scale tensor, 0 for the dims it lacks (broadcast)."""
     strides = tuple(scale.stride()) if scale is not None else ()
     return (strides + (0,) * ndim)[:ndim]
+
+
+def _weight_descriptor(b: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """B [E, N, K] as one TMA descriptor over [E*N, K] rows, loading [BLOCK_N, BLOCK_K] tiles."""
+    num_experts, n, k = b.shape
+    if not b.is_contiguous() or (k * b.element_size()) % 16:
+        raise ValueError(f"TMA_B needs contiguous expert weights with 16-byte rows, not {tuple(b.shape)} {b.dtype}")
+    return TensorDescriptor(b, shape=[num_experts * n, k], strides=[k, 1], block_shape=[block_n, block_k])
+
+
+def gemm_output(num_pairs: int, n: int, dtype: torch.dtype, config: dict, device) -> torch.Tensor:
+    """The C buffer of one grouped GEMM: split-K adds partial tiles into zeroed float32."""
+    if config.get("SPLIT_K", 1) > 1:
+        return torch.zeros(num_pairs, n, dtype=torch.float32, device=device)
+    return torch.empty(num_pairs, n, dtype=dtype, device=device)
 
 
 def invoke_grouped_gemm(
@@ -155,33 +217,40 @@ def invoke_grouped_gemm(
     a_row_divisor: int,
     quant: MoEQuantSpec,
     config: dict,
+    warmup: bool = False,
 ) -> None:
     """C[p] = A[p // a_row_divisor] @ B[expert(p)]^T (* scales, * topk_weights[p]) for all pairs p.
 
-    a [M, K]; b [E, N, K]; c [num_pairs, N], written only at real pairs;
-    topk_weights (flattened [num_pairs]) is multiplied in when given.
+    a [M, K]; b [E, N, K]; c [num_pairs, N] from `gemm_output`, written only at
+    real pairs; topk_weights (flattened [num_pairs]) is multiplied in when given.
+    With warmup, only compile the kernel (any tensor may be on the meta device).
     """
     num_pairs = c.shape[0]
     n, k = b.shape[1], b.shape[2]
     block_m, block_n, block_k = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    split_k = config.get("SPLIT_K", 1)
     group_n, group_k = quant.block_shape or (0, 0)
     if quant.weight == "block" and group_k % block_k:
         raise ValueError(f"BLOCK_SIZE_K={block_k} must divide the quantization group {group_k}")
+    if split_k > 1 and c.dtype != torch.float32:
+        raise ValueError("with SPLIT_K > 1 the GEMM adds into C: it must be zeroed float32 (gemm_output)")
     num_m_blocks = sorted_token_ids.shape[0] // block_m
-    grid = (num_m_blocks * triton.cdiv(n, block_n),)
-    _grouped_gemm_kernel[grid](
-        a, b, c, a_scale, b_scale, topk_weights,
+    grid = (num_m_blocks * triton.cdiv(n, block_n), split_k)
+    launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if warmup else _grouped_gemm_kernel[grid]
+    tma_b = config.get("TMA_B", False)
+    launch(
+        a, _weight_descriptor(b, block_n, block_k) if tma_b else b, c, a_scale, b_scale, topk_weights,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         *_scale_strides(a_scale, 2), *_scale_strides(b_scale, 3),
-        group_n, group_k,
-        A_ROW_DIVISOR=a_row_divisor,
+        group_n, group_k, a_row_divisor,
         WEIGHT_SCHEME=_SCHEME_CODE[quant.weight],
         PER_ROW_A_SCALE=quant.activation != "tensor",
+        SCALAR_B_SCALE=quant.weight == "block" and group_n % block_n == 0,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k,
-        GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        GROUP_SIZE_M=config["GROUP_SIZE_M"], SPLIT_K=split_k, TMA_B=tma_b,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -205,26 +274,29 @@ def fused_experts(
     w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
     [T, k] float32; topk_ids [T, k] int. FP8 weights come with scales shaped
     as in quant_spec.py; activations are quantized dynamically per `quant`.
-    `config` overrides the launch config of both GEMMs (benchmarks, tuning).
+    `config` overrides the launch configs (benchmarks, tuning): one config for
+    both GEMMs or a {"gemm1": ..., "gemm2": ...} table entry (configs.py).
     """
     if activation != "silu":
         raise ValueError(f"only 'silu' is supported, not {activation!r}")
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, _ = w13.shape
     num_pairs = num_tokens * top_k
-    config = config or get_config(num_tokens, num_experts, two_inter, top_k, quant)
-    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], num_experts)
-    gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post_padded,
-                quant=quant, config=config)
+    dtype, device = hidden_states.dtype, hidden_states.device
+    config1, config2 = per_gemm(config) if config else get_config(num_tokens, num_experts, two_inter, top_k, quant)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, config1["BLOCK_SIZE_M"], num_experts)
+    routing = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post_padded,
+                   quant=quant)
 
     x, x_scale = quantize_fp8(hidden_states, quant) if quant.is_fp8 else (hidden_states, None)
-    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden_states.dtype, device=hidden_states.device)
-    invoke_grouped_gemm(x, x_scale, w13, w13_scale, gate_up, None, a_row_divisor=top_k, **gemm)
+    gate_up = gemm_output(num_pairs, two_inter, dtype, config1, device)
+    invoke_grouped_gemm(x, x_scale, w13, w13_scale, gate_up, None, a_row_divisor=top_k, config=config1, **routing)
 
     if quant.is_fp8:
         act, act_scale = quantize_fp8(gate_up, quant, fuse_silu_mul=True)
     else:
-        act, act_scale = silu_and_mul(gate_up), None
-    out = torch.empty(num_pairs, w2.shape[1], dtype=hidden_states.dtype, device=hidden_states.device)
-    invoke_grouped_gemm(act, act_scale, w2, w2_scale, out, topk_weights.reshape(-1).float(), a_row_divisor=1, **gemm)
-    return out.view(num_tokens, top_k, -1).sum(dim=1)
+        act, act_scale = silu_and_mul(gate_up, dtype), None
+    out = gemm_output(num_pairs, w2.shape[1], dtype, config2, device)
+    invoke_grouped_gemm(act, act_scale, w2, w2_scale, out, topk_weights.reshape(-1).float(), a_row_divisor=1,
+                        config=config2, **routing)
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(dtype)

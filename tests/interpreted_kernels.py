@@ -16,7 +16,7 @@ from moe_inputs import MODES, assert_valid_alignment, quantized, random_problem,
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.activation import silu_and_mul
 from quantize_moe.kernels.align import moe_align_block_size
-from quantize_moe.kernels.fused_moe import invoke_grouped_gemm
+from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
 from quantize_moe.kernels.quant import quantize_fp8
 from quantize_moe.moe.reference import dequantize_activation, dequantize_weight, fused_experts_reference, quantize_activation
 
@@ -24,43 +24,65 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
 
 SMALL = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+# Per-GEMM entries as tune_moe.py writes them: split-K on either GEMM, with split counts that leave
+# some programs a shorter (or empty) share of the K loop.
+SPLIT = dict(gemm1=dict(SMALL, SPLIT_K=3), gemm2=dict(SMALL, BLOCK_SIZE_N=16, SPLIT_K=2))
+TMA = dict(SMALL, TMA_B=True)  # the N tile runs past an expert's rows: into the next expert's, or off the end
 
 
+@pytest.mark.parametrize("config", [SMALL, SPLIT, TMA], ids=["one-config", "split-k", "tma"])
 @pytest.mark.parametrize("shape", [(1, 64, 48, 4, 1), (19, 96, 40, 8, 3)])  # T, H, I, E, k; T*k not a multiple of 16
-def test_fused_experts_fp32(shape):
+def test_fused_experts_fp32(shape, config):
     p = random_problem(*shape)
-    out = fused_experts(*p.args(), config=SMALL)
+    out = fused_experts(*p.args(), config=config)
     ref = fused_experts_reference(*p.args(), compute_dtype=torch.float64)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert relative_error(out, ref) < 1e-5
 
 
+# BLOCK_SIZE_K divides the 128 quantization group; BLOCK_SIZE_N 64 divides it too (one weight scale per
+# N-tile and K step), 256 does not (a scale per column).
+FP8_CONFIGS = {
+    "n64": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64),
+    "n256": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64),
+    "n64-split-k": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, SPLIT_K=2),
+    "n64-tma": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, TMA_B=True),
+    "n256-tma-split-k": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, TMA_B=True, SPLIT_K=3),
+}
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS.values(), ids=FP8_CONFIGS)
 @pytest.mark.parametrize("mode", MODES)
-def test_grouped_gemm_fp8_operands(mode):
+def test_grouped_gemm_fp8_operands(mode, config):
     """Both GEMMs with FP8 inputs quantized by torch: scales applied as the spec says."""
     tokens, top_k, experts = 6, 2, 4
     p = quantized(random_problem(tokens, 256, 160, experts, top_k), MODES[mode])
-    config = dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64)  # BLOCK_SIZE_K divides the 128 quantization group
     sorted_ids, expert_ids, num_post = moe_align_block_size(p.topk_ids, config["BLOCK_SIZE_M"], experts)
     align = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post,
                  quant=p.quant, config=config)
     flat_ids = p.topk_ids.reshape(-1).long()
 
     x, x_scale = quantize_activation(p.hidden_states, p.quant)
-    gate_up = torch.full((tokens * top_k, p.w13.shape[1]), float("nan"))
+    gate_up = _poisoned_output(tokens * top_k, p.w13.shape[1], config)
     invoke_grouped_gemm(x, x_scale, p.w13, p.w13_scale, gate_up, None, a_row_divisor=top_k, **align)
     x_exact = dequantize_activation(x, x_scale, p.quant, torch.float64).repeat_interleave(top_k, dim=0)
     w13 = dequantize_weight(p.w13, p.w13_scale, p.quant, torch.float64)[flat_ids]
     assert relative_error(gate_up, torch.einsum("ph,pnh->pn", x_exact, w13)) < 1e-5
 
     act, act_scale = quantize_activation(torch.randn(tokens * top_k, p.w2.shape[2]), p.quant)
-    out = torch.full((tokens * top_k, p.w2.shape[1]), float("nan"))
+    out = _poisoned_output(tokens * top_k, p.w2.shape[1], config)
     weights = p.topk_weights.reshape(-1)
     invoke_grouped_gemm(act, act_scale, p.w2, p.w2_scale, out, weights, a_row_divisor=1, **align)
     act_exact = dequantize_activation(act, act_scale, p.quant, torch.float64)
     w2 = dequantize_weight(p.w2, p.w2_scale, p.quant, torch.float64)[flat_ids]
     expected = torch.einsum("pi,phi->ph", act_exact, w2) * weights.double().unsqueeze(1)
     assert relative_error(out, expected) < 1e-5
+
+
+def _poisoned_output(rows, cols, config):
+    """C filled with NaN, so unwritten rows show; split-K adds into zeros, so it gets those."""
+    out = gemm_output(rows, cols, torch.float32, config, "cpu")
+    return out if config.get("SPLIT_K", 1) > 1 else out.fill_(float("nan"))
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 1, 4, 16), (37, 3, 8, 16), (64, 8, 256, 16)])

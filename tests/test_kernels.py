@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from moe_inputs import MODES, quantized, random_problem, relative_error
-from quantize_moe.kernels.configs import CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table
+from quantize_moe.kernels.configs import (
+    CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table, per_gemm,
+)
 from quantize_moe.moe.quant_spec import MoEQuantSpec
 from quantize_moe.moe.reference import FP8_MAX, dequantize_activation, fused_experts_reference, quantize_activation
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def _dense_moe(x, w13, w2, topk_weights, topk_ids):
@@ -99,15 +102,55 @@ def test_default_config_block_k_divides_quantization_group():
 
 
 def test_tuned_tables_are_complete_and_nearest_key_wins(monkeypatch):
-    """Every shipped table has all launch keys; get_config picks the nearest token count."""
+    """Every shipped table has all launch keys for both GEMMs; get_config picks the nearest token count."""
     for name in os.listdir(REPO / "configs"):
         if name.endswith(".json"):
             table = load_tuned_table(name)
-            assert table and all(set(c) >= set(CONFIG_KEYS) for c in table.values()), name
-    table = {1: {"BLOCK_SIZE_M": 16}, 64: {"BLOCK_SIZE_M": 32}, 1024: {"BLOCK_SIZE_M": 128}}
+            assert table and all(set(c) >= set(CONFIG_KEYS) for pair in table.values() for c in pair), name
+    table = {1: ({"BLOCK_SIZE_M": 16}, {"BLOCK_SIZE_M": 16}), 64: ({"BLOCK_SIZE_M": 32}, {"BLOCK_SIZE_M": 32}),
+             1024: ({"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 64}, {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256})}
     monkeypatch.setattr("quantize_moe.kernels.configs.load_tuned_table", lambda name: table)
-    assert get_config(40, 8, 128, 2, MoEQuantSpec())["BLOCK_SIZE_M"] == 32
-    assert get_config(700, 8, 128, 2, MoEQuantSpec())["BLOCK_SIZE_M"] == 128
+    assert get_config(40, 8, 128, 2, MoEQuantSpec())[0]["BLOCK_SIZE_M"] == 32
+    gemm1, gemm2 = get_config(700, 8, 128, 2, MoEQuantSpec())
+    assert (gemm1["BLOCK_SIZE_N"], gemm2["BLOCK_SIZE_N"]) == (64, 256)
+
+
+def test_untuned_shapes_get_the_heuristic_for_both_gemms():
+    gemm1, gemm2 = get_config(64, 3, 100, 2, MoEQuantSpec())
+    assert gemm1 == gemm2 == default_config(64, 3, 2, MoEQuantSpec())
+
+
+def test_table_entries_in_either_format():
+    """vLLM's one config for both GEMMs, or one per GEMM; a BLOCK_SIZE_M they do not share is refused."""
+    flat = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64)
+    assert per_gemm(flat) == (flat, flat)
+    split = dict(flat, BLOCK_SIZE_N=32, SPLIT_K=4)
+    assert per_gemm({"gemm1": flat, "gemm2": split}) == (flat, split)
+    with pytest.raises(ValueError, match="BLOCK_SIZE_M"):
+        per_gemm({"gemm1": flat, "gemm2": dict(split, BLOCK_SIZE_M=32)})
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64, 256, 1024, 4096])
+@pytest.mark.parametrize("shape_key", ["mixtral", "qwen3", "deepseek"])
+def test_tuner_search_space(shape_key, tokens):
+    """Every candidate can launch: block-mode BLOCK_K divides the group, the pipeline fits shared
+    memory, split-K only with the smallest M tile; decode sizes get small M tiles, large ones large."""
+    from moe_problems import MODES, SHAPES
+    from tune_moe import SHARED_MEMORY, search_space
+
+    shape = SHAPES[shape_key]
+    for mode, quant in MODES.items():
+        space = search_space(shape, tokens, quant)
+        assert len(space) == len({json.dumps(c, sort_keys=True) for c in space}) > 10, mode
+        for c in space:
+            assert set(c) >= set(CONFIG_KEYS)
+            assert quant.weight != "block" or 128 % c["BLOCK_SIZE_K"] == 0
+            stage_bytes = (c["BLOCK_SIZE_M"] + c["BLOCK_SIZE_N"]) * c["BLOCK_SIZE_K"] * (1 if quant.is_fp8 else 2)
+            assert c["num_stages"] * stage_bytes <= SHARED_MEMORY
+            assert c["SPLIT_K"] == 1 or c["BLOCK_SIZE_M"] == 16
+        block_ms = {c["BLOCK_SIZE_M"] for c in space}
+        rows = tokens * shape.top_k / shape.experts
+        assert (min(block_ms) == 16) == (rows <= 64) and (max(block_ms) == 128) == (rows >= 64)
 
 
 def test_kernels_under_triton_interpreter():

@@ -29,6 +29,14 @@ SHAPES = [
     (257, 2048, 768, 64, 6),
 ]
 FP8_TOLERANCE = 3.5e-2
+# Launch configs the tuner may pick beside the shipped ones: split-K on both GEMMs (a per-GEMM entry),
+# a block-scale N tile inside one 128 group (one scale per K step) and one wider (a scale per column).
+_BASE = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+VARIANTS = {
+    "split-k": dict(gemm1=dict(_BASE, SPLIT_K=4), gemm2=dict(_BASE, BLOCK_SIZE_N=32, SPLIT_K=3)),
+    "n64": _BASE,
+    "n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +47,8 @@ def poisoned_allocator():
     torch.cuda.synchronize()
 
 
-def _check(problem, tolerance):
-    out = fused_experts(*problem.args(), **problem.kwargs())
+def _check(problem, tolerance, config=None):
+    out = fused_experts(*problem.args(), **problem.kwargs(), config=config)
     ref = fused_experts_reference(*problem.args(), **problem.kwargs(), compute_dtype=torch.float64)
     assert out.dtype == problem.hidden_states.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
@@ -64,6 +72,16 @@ def test_fp8(shape, mode):
     exact = fused_experts_reference(*problem.args(), **problem.kwargs(), compute_dtype=torch.float64,
                                     quantize_activations=False)
     assert relative_error(out, exact) < 0.1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mode", ["bf16", *MODES])
+def test_launch_variants(mode, variant):
+    problem = random_problem(33, 512, 384, 16, 4, dtype=torch.bfloat16, device="cuda")
+    if mode == "bf16":
+        _check(problem, 1e-2, VARIANTS[variant])
+    else:
+        _check(quantized(problem, MODES[mode]), FP8_TOLERANCE, VARIANTS[variant])
 
 
 @pytest.mark.parametrize("mode", MODES)

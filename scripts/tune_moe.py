@@ -1,0 +1,188 @@
+"""Search launch configs of the two grouped GEMMs and write tuned tables (configs/ format).
+
+For every shape, mode and token count it times each GEMM alone (CUDA graph,
+median) over a search space pruned by how many rows one expert sees, keeps the
+fastest GEMM1 and GEMM2 config per BLOCK_SIZE_M (which both share: one align
+step feeds both) and writes, per (shape, mode), a table {tokens: {"gemm1": ...,
+"gemm2": ...}} named as kernels/configs.py expects.
+
+Compiling dominates a search, so it is done first-come in parallel processes
+(`--jobs`), in the order the timing process needs the kernels, and timing
+waits only for the configs it is about to time. A kernel's compiled form does
+not depend on the token count or, for these shapes, on the model (sizes and
+strides are all multiples of 16), so each (mode, GEMM, config) compiles once.
+Timing is two-pass: every candidate briefly, then the best few again longer.
+
+    python scripts/tune_moe.py --out-dir configs --json tune.json --jobs 16
+"""
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import time
+
+import torch
+
+from moe_problems import MODES, SHAPES, TOKENS, GemmInputs, Shape, random_weights, time_us
+from quantize_moe.kernels.configs import config_file_name
+from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
+from quantize_moe.moe.quant_spec import MoEQuantSpec
+
+SHARED_MEMORY = 227 * 1024  # bytes per block on an H100/H200
+MEMORY_BOUND_ROWS = 16  # average rows per expert up to which the GEMMs stream weights
+QUICK_REP_MS, FINAL_REP_MS, FINALISTS = 0.5, 5.0, 3
+
+
+def rows_per_expert(shape: Shape, tokens: int) -> float:
+    return tokens * shape.top_k / shape.experts
+
+
+def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
+    """Launch configs worth timing at this token count.
+
+    Few rows per expert (memory bound): BLOCK_M 16 or 32 and narrow N tiles,
+    deep pipelines and split-K, so that many programs stream weights at once.
+    Many rows (compute bound): BLOCK_M 64-128, wide tiles, grouped ordering
+    and 8 warps for the big tiles. Always: weight tiles by pointers or TMA, BLOCK_K of 128 or 256 bytes per
+    row (dividing the 128 quantization group in block mode) and shared memory
+    for the pipeline stages within the SM's.
+    """
+    rows = rows_per_expert(shape, tokens)
+    memory_bound = rows <= MEMORY_BOUND_ROWS
+    element_bytes = 1 if quant.is_fp8 else 2
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows) and m >= min(64, rows / 4)]
+    block_ns = (16, 32, 64, 128) if memory_bound else (64, 128, 256)
+    block_ks = (64, 128) if quant.weight == "block" or not quant.is_fp8 else (128, 256)
+    group_ms = (1, 8) if rows >= 256 else (1,)
+    stages = (3, 4, 5) if memory_bound else (3, 4)
+    split_ks = (1, 2, 4) if rows <= 4 else (1,)
+    space = []
+    for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
+                                                       (False, True)):
+        if s * (m + n) * k * element_bytes > SHARED_MEMORY or (split > 1 and m > 16):
+            continue
+        for warps in (4, 8) if m * n >= 128 * 64 else (4,):
+            space.append(dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
+                              num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma))
+    return space
+
+
+def compile_gemm(job: tuple[str, str, int, dict]) -> str | None:
+    """Compile one kernel into Triton's cache on meta tensors (no GPU memory); the error, if any."""
+    shape_key, mode, index, config = job
+    shape, quant = SHAPES[shape_key], MODES[mode]
+    e, h, i, k = shape.experts, shape.hidden, shape.inter, shape.top_k
+    n_out, n_in = ((2 * i, h), (h, i))[index]
+    pairs, rows = 64 * k, (64, 64 * k)[index]
+    dtype = torch.float8_e4m3fn if quant.is_fp8 else torch.bfloat16
+    meta = dict(device="meta")
+    a_scale_shape = {"none": None, "tensor": (1,), "block": (rows, n_in // 128)}[quant.weight]
+    b_scale_shape = {"none": None, "tensor": (e,), "block": (e, n_out // 128, n_in // 128)}[quant.weight]
+    try:
+        invoke_grouped_gemm(
+            torch.empty(rows, n_in, dtype=dtype, **meta),
+            a_scale_shape and torch.empty(a_scale_shape, **meta),
+            torch.empty(e, n_out, n_in, dtype=dtype, **meta),
+            b_scale_shape and torch.empty(b_scale_shape, **meta),
+            gemm_output(pairs, n_out, torch.bfloat16, config, "meta"),
+            torch.empty(pairs, **meta) if index else None,
+            torch.empty(pairs, dtype=torch.int32, **meta), torch.empty(pairs, dtype=torch.int32, **meta),
+            torch.empty(1, dtype=torch.int32, **meta), (k, 1)[index], quant, config, warmup=True,
+        )
+    except Exception as error:  # noqa: BLE001 - reported, then the timing process compiles it itself
+        return f"{mode} gemm{index + 1} {config}: {error}"
+    return None
+
+
+def compile_key(mode: str, index: int, config: dict) -> str:
+    return json.dumps([mode, index, config], sort_keys=True)
+
+
+class Compiler:
+    """Compiles every (mode, GEMM, config) once, in parallel, in the order it is first asked for."""
+
+    def __init__(self, jobs: int, order: list[tuple[str, str, int, dict]]):
+        self.pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=torch.cuda.init)
+        self.pending = {}
+        for job in order:
+            key = compile_key(*job[1:])
+            if key not in self.pending:
+                self.pending[key] = self.pool.apply_async(compile_gemm, (job,))
+
+    def wait(self, mode: str, index: int, config: dict) -> None:
+        error = self.pending[compile_key(mode, index, config)].get()
+        if error:
+            print("compile failed:", error, flush=True)
+
+    def close(self):
+        self.pool.terminate()
+
+
+def best_per_block_m(timed: list[tuple[float, dict]]) -> dict[int, list[tuple[float, dict]]]:
+    """The FINALISTS fastest (µs, config) of each BLOCK_SIZE_M, fastest first."""
+    by_m = {}
+    for us, config in sorted(timed, key=lambda t: t[0]):
+        by_m.setdefault(config["BLOCK_SIZE_M"], []).append((us, config))
+    return {m: entries[:FINALISTS] for m, entries in by_m.items()}
+
+
+def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler) -> dict:
+    """The fastest (GEMM1, GEMM2) pair for one token count, with both times."""
+    space = search_space(inputs.shape, inputs.tokens, inputs.quant)
+    finalists = []
+    for index in (0, 1):
+        timed = []
+        for config in space:
+            compiler.wait(mode, index, config)
+            timed.append((time_us(inputs.gemm(index, config), QUICK_REP_MS), config))
+        finalists.append({m: [(time_us(inputs.gemm(index, c), FINAL_REP_MS), c) for _, c in entries]
+                          for m, entries in best_per_block_m(timed).items()})
+    pairs = [(min(finalists[0][m], key=lambda t: t[0]), min(finalists[1][m], key=lambda t: t[0]))
+             for m in finalists[0]]
+    (us1, config1), (us2, config2) = min(pairs, key=lambda p: p[0][0] + p[1][0])
+    return dict(tokens=inputs.tokens, gemm1_us=us1, gemm2_us=us2, gemm1=config1, gemm2=config2,
+                candidates=len(space), finalists=[sorted(f.values(), key=lambda e: e[0][0]) for f in finalists])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--out-dir", required=True, help="write one tuned table per shape and mode here")
+    parser.add_argument("--json", help="write every tuned row (times and configs) to this file")
+    parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count(), help="compile processes")
+    args = parser.parse_args()
+
+    work = [(s, m) for s in args.shapes for m in args.modes]
+    order = [(s, m, index, config) for s, m in work for tokens in args.tokens for index in (0, 1)
+             for config in search_space(SHAPES[s], tokens, MODES[m])]
+    started = time.perf_counter()
+    compiler = Compiler(args.jobs, order)
+    torch.manual_seed(0)
+    results = []
+    for shape_key, mode in work:
+        shape, quant = SHAPES[shape_key], MODES[mode]
+        weights = random_weights(shape, quant)
+        table = {}
+        for tokens in args.tokens:
+            row = tune_row(GemmInputs(shape, quant, weights, tokens), mode, compiler)
+            table[str(tokens)] = dict(gemm1=row["gemm1"], gemm2=row["gemm2"])
+            results.append(dict(shape=shape.name, mode=mode, **row))
+            print(f"{time.perf_counter() - started:6.0f}s {shape.name:14} {mode:13} T={tokens:<5} "
+                  f"gemm1 {row['gemm1_us']:8.1f} µs  gemm2 {row['gemm2_us']:8.1f} µs  "
+                  f"({row['candidates']} candidates)  {row['gemm1']}  {row['gemm2']}", flush=True)
+        name = config_file_name(shape.experts, 2 * shape.inter, torch.cuda.get_device_name(), quant)
+        with open(f"{args.out_dir}/{name}", "w") as f:
+            json.dump(table, f, indent=1)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        del weights
+        torch.cuda.empty_cache()
+    compiler.close()
+
+
+if __name__ == "__main__":
+    main()
