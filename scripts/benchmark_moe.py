@@ -23,7 +23,7 @@ from moe_problems import MODES, SHAPES, TOKENS, GemmInputs, memory_floor_us, ran
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.configs import get_config
 
-REP_MS = 50
+REP_MS = 20
 # vLLM's Triton fused MoE on an H200, both GEMMs, µs (kernel-anchors.md): bf16, fp8 per-tensor, fp8 block.
 ANCHORS = {
     ("Mixtral", 1): (177, 102, 206), ("Mixtral", 16): (642, 347, 1056), ("Mixtral", 64): (659, 350, 1075),

@@ -31,7 +31,7 @@ from quantize_moe.moe.quant_spec import MoEQuantSpec
 
 SHARED_MEMORY = 227 * 1024  # bytes per block on an H100/H200
 MEMORY_BOUND_ROWS = 16  # average rows per expert up to which the GEMMs stream weights
-QUICK_REP_MS, FINAL_REP_MS, FINALISTS = 0.5, 5.0, 3
+QUICK_REP_MS, FINAL_REP_MS, FINALISTS = 0.5, 3.0, 2
 
 
 def rows_per_expert(shape: Shape, tokens: int) -> float:
@@ -41,28 +41,31 @@ def rows_per_expert(shape: Shape, tokens: int) -> float:
 def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     """Launch configs worth timing at this token count.
 
-    Few rows per expert (memory bound): BLOCK_M 16 or 32 and narrow N tiles,
-    deep pipelines and split-K, so that many programs stream weights at once.
+    Few rows per expert (memory bound): BLOCK_M 16 or 32, narrow N tiles, deep
+    pipelines and split-K, so that many programs stream weights at once.
     Many rows (compute bound): BLOCK_M 64-128, wide tiles, grouped ordering
-    and 8 warps for the big tiles. Always: weight tiles by pointers or TMA, BLOCK_K of 128 or 256 bytes per
-    row (dividing the 128 quantization group in block mode) and shared memory
-    for the pipeline stages within the SM's.
+    and 8 warps for the big tiles. Weight tiles by pointers or TMA; BLOCK_K of
+    128 or 256 bytes a row (dividing the 128 quantization group in block mode);
+    the pipeline stages within the SM's shared memory. Pruned after a wider
+    first search on the H200 (Mixtral FP8 at T=1 and T=4096: docs/performance.md).
     """
     rows = rows_per_expert(shape, tokens)
     memory_bound = rows <= MEMORY_BOUND_ROWS
     element_bytes = 1 if quant.is_fp8 else 2
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows) and m >= min(64, rows / 4)]
-    block_ns = (16, 32, 64, 128) if memory_bound else (64, 128, 256)
-    block_ks = (64, 128) if quant.weight == "block" or not quant.is_fp8 else (128, 256)
-    group_ms = (1, 8) if rows >= 256 else (1,)
-    stages = (3, 4, 5) if memory_bound else (3, 4)
-    split_ks = (1, 2, 4) if rows <= 4 else (1,)
+    if memory_bound:
+        block_ns, stages, split_ks = (32, 64, 128), (3, 5), (1, 2, 4) if rows <= 4 else (1,)
+        block_ks = (128, 256) if quant.weight == "tensor" else (64, 128)
+    else:
+        block_ns, stages, split_ks = (64, 128, 256) if rows < 256 else (128, 256), (3, 4), (1,)
+        block_ks = (128,) if quant.is_fp8 else (64, 128)
+    group_ms = (8,) if rows >= 64 else (1,)
     space = []
     for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
                                                        (False, True)):
         if s * (m + n) * k * element_bytes > SHARED_MEMORY or (split > 1 and m > 16):
             continue
-        for warps in (4, 8) if m * n >= 128 * 64 else (4,):
+        for warps in (4, 8) if m * n >= 128 * 128 else (4,):
             space.append(dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
                               num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma))
     return space
