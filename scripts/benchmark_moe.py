@@ -19,11 +19,10 @@ import json
 import torch
 import triton
 
-from moe_problems import MODES, SHAPES, TOKENS, GemmInputs, memory_floor_us, random_weights, time_us
+from moe_problems import MODES, REP_MS, SHAPES, TOKENS, GemmInputs, memory_floor_us, random_weights, time_us
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.configs import get_config
 
-REP_MS = 20
 # vLLM's Triton fused MoE on an H200, both GEMMs, µs (kernel-anchors.md): bf16, fp8 per-tensor, fp8 block.
 ANCHORS = {
     ("Mixtral", 1): (177, 102, 206), ("Mixtral", 16): (642, 347, 1056), ("Mixtral", 64): (659, 350, 1075),
@@ -39,18 +38,12 @@ def bench_row(shape, mode, tokens, weights):
     quant = MODES[mode]
     inputs = GemmInputs(shape, quant, weights, tokens)
     config1, config2 = get_config(tokens, shape.experts, 2 * shape.inter, shape.top_k, quant)
-    gemm1, gemm2 = inputs.gemm(0, config1), inputs.gemm(1, config2)
-
-    def both():
-        gemm1()
-        gemm2()
-
     kwargs = {k: v for k, v in weights.items() if k.endswith("scale")}
     layer_us = time_us(lambda: fused_experts(inputs.x, weights["w13"], weights["w2"], inputs.topk_weights,
                                              inputs.topk_ids, quant=quant, **kwargs), REP_MS)
     anchor = ANCHORS.get((shape.name, tokens))
     return dict(
-        shape=shape.name, mode=mode, tokens=tokens, gemms_us=time_us(both, REP_MS), layer_us=layer_us,
+        shape=shape.name, mode=mode, tokens=tokens, gemms_us=time_us(inputs.both(config1, config2), REP_MS), layer_us=layer_us,
         anchor_us=anchor[list(MODES).index(mode)] if anchor else None,
         floor_us=memory_floor_us(shape, tokens, 1 if quant.is_fp8 else 2), gemm1=config1, gemm2=config2,
     )

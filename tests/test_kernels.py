@@ -153,6 +153,20 @@ def test_tuner_search_space(shape_key, tokens):
         assert (min(block_ms) == 16) == (rows <= 64) and (max(block_ms) == 128) == (rows >= 64)
 
 
+def test_tuner_pairs_the_fastest_configs_that_share_block_m():
+    from tune_moe import FINALISTS, finalist_pairs
+
+    def config(m, n):
+        return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n)
+
+    gemm1 = [(t, config(m, n)) for t, m, n in [(5, 16, 32), (1, 16, 64), (3, 16, 128), (2, 64, 64), (9, 128, 64)]]
+    gemm2 = [(t, config(m, n)) for t, m, n in [(4, 16, 16), (1, 64, 256), (2, 64, 128), (3, 64, 64)]]
+    pairs = finalist_pairs(gemm1, gemm2)
+    assert FINALISTS == 2 and all(c1["BLOCK_SIZE_M"] == c2["BLOCK_SIZE_M"] for c1, c2 in pairs)
+    assert pairs == [(config(16, 64), config(16, 16)), (config(16, 128), config(16, 16)),
+                     (config(64, 64), config(64, 256)), (config(64, 64), config(64, 128))]
+
+
 def test_kernels_under_triton_interpreter():
     """The Triton kernels on CPU: TRITON_INTERPRET is read when kernels are decorated, so a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -109,7 +109,8 @@ def test_fused_silu_mul_quantization(mode):
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
     assert same > 0.999
-    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=0)
+    # A last-bit difference can round to the neighbouring e4m3 value: at most 2^-3 apart, relatively.
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=2 ** -3, atol=0)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (4096, 8, 256, 64), (1000, 2, 8, 128)])
