@@ -44,12 +44,18 @@ one SPLIT_K-th of the K loop, adding its partial tile into a zeroed float32 C
 with atomics (scales and the router weight are linear, so each partial is
 scaled before it is added). It multiplies the programs of a decode-size GEMM,
 whose few M-blocks would otherwise leave most SMs without weights to stream.
+The order of the atomic adds varies, so split-K results vary in the last bits.
+
 TMA: with TMA_B the weight tiles come through Hopper's tensor memory
 accelerator (one descriptor over B as [E*N, K] rows) instead of per-thread
 pointer loads; A's rows are gathered, so A stays on pointers.
+
 Scalar block scales: when BLOCK_SIZE_N divides the group's bn, a whole
 N-tile shares one weight scale per K step, so the in-loop scaling is one
 scalar times the per-row activation scale.
+
+Each GEMM has its own launch config (configs.py); the two share BLOCK_SIZE_M
+because one align step pads the expert runs for both.
 
 FP8 accumulation: outside block mode, the K loop accumulates with
 `tl.dot(a, b_tile, acc)` and Triton's default `max_num_imprecise_acc`, which on

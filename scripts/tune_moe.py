@@ -6,7 +6,7 @@ sees; pairs the fastest few GEMM1 and GEMM2 configs of each BLOCK_SIZE_M (which
 both share: one align step feeds both); times those pairs back to back in the
 benchmark's window, the quantity scripts/benchmark_moe.py reports, and keeps
 the fastest. (On compute-bound rows, GEMMs timed alone in short windows read
-10-20% faster than the same configs back to back in 20 ms windows, and did not
+up to 21% faster than the same configs back to back in 20 ms windows, and did not
 rank them the same.) It writes, per (shape, mode), a table {tokens: {"gemm1":
 ..., "gemm2": ...}} named as kernels/configs.py expects.
 
@@ -47,9 +47,9 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     Few rows per expert (memory bound): BLOCK_M 16 or 32, narrow N tiles, deep
     pipelines and split-K, so that many programs stream weights at once.
     Many rows (compute bound): BLOCK_M 64-128, wide tiles, grouped ordering
-    and 8 warps for the big tiles. Weight tiles by pointers or TMA; BLOCK_K of
-    128 or 256 bytes a row (dividing the 128 quantization group in block mode);
-    the pipeline stages within the SM's shared memory. Pruned after a wider
+    and 8 warps for the big tiles. Weight tiles by pointers or TMA; BLOCK_K
+    dividing the 128 quantization group in block mode; the pipeline stages
+    within the SM's shared memory. Pruned after a wider
     first search on the H200 (Mixtral FP8 at T=1 and T=4096: docs/performance.md).
     """
     rows = rows_per_expert(shape, tokens)
@@ -57,11 +57,13 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     element_bytes = 1 if quant.is_fp8 else 2
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows) and m >= min(64, rows / 4)]
     if memory_bound:
-        block_ns, stages, split_ks = (32, 64, 128), (3, 5), (1, 2, 4) if rows <= 4 else (1,)
+        block_ns, stages = (32, 64, 128), (3, 5)
         block_ks = (128, 256) if quant.weight == "tensor" else (64, 128)
+        split_ks = (1, 2, 4) if rows <= 4 else (1,)
     else:
-        block_ns, stages, split_ks = (64, 128, 256) if rows < 256 else (128, 256), (3, 4), (1,)
+        block_ns, stages = ((64, 128, 256) if rows < 256 else (128, 256)), (3, 4)
         block_ks = (128,) if quant.is_fp8 else (64, 128)
+        split_ks = (1,)
     group_ms = (8,) if rows >= 64 else (1,)
     space = []
     for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
