@@ -5,6 +5,7 @@ weights, uniform random routing, both GEMMs' inputs precomputed (the quantity
 the anchors in shared/reference/kernel-anchors.md time) and a CUDA-graph timer.
 """
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,19 @@ SHAPES = {
     "qwen3": Shape("Qwen3-30B-A3B", 128, 2048, 768, 8),
     "deepseek": Shape("DeepSeek-V3", 256, 7168, 2048, 8),
 }
+
+
+def parse_shape(text: str) -> Shape:
+    """A shape named in SHAPES, or any model's as EXPERTS,HIDDEN,INTERMEDIATE,TOP_K (e.g. 64,2048,1408,6)."""
+    if text in SHAPES:
+        return SHAPES[text]
+    try:
+        experts, hidden, inter, top_k = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(SHAPES)} nor EXPERTS,HIDDEN,INTERMEDIATE,TOP_K") from None
+    return Shape(f"E{experts}-H{hidden}-I{inter}-k{top_k}", experts, hidden, inter, top_k)
+
+
 MODES = {
     "bf16": UNQUANTIZED,
     "fp8-tensor": MoEQuantSpec("tensor", "tensor"),

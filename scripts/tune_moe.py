@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from moe_problems import MODES, REP_MS, SHAPES, TOKENS, GemmInputs, Shape, random_weights, time_us
+from moe_problems import MODES, REP_MS, SHAPES, TOKENS, GemmInputs, Shape, parse_shape, random_weights, time_us
 from quantize_moe.kernels.configs import config_file_name
 from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
 from quantize_moe.moe.quant_spec import MoEQuantSpec
@@ -76,10 +76,10 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     return space
 
 
-def compile_gemm(job: tuple[str, str, int, dict]) -> str | None:
+def compile_gemm(job: tuple[Shape, str, int, dict]) -> str | None:
     """Compile one kernel into Triton's cache on meta tensors (no GPU memory); the error, if any."""
-    shape_key, mode, index, config = job
-    shape, quant = SHAPES[shape_key], MODES[mode]
+    shape, mode, index, config = job
+    quant = MODES[mode]
     e, h, i, k = shape.experts, shape.hidden, shape.inter, shape.top_k
     n_out, n_in = ((2 * i, h), (h, i))[index]
     pairs, rows = 64 * k, (64, 64 * k)[index]
@@ -110,7 +110,7 @@ def compile_key(mode: str, index: int, config: dict) -> str:
 class Compiler:
     """Compiles every (mode, GEMM, config) once, in parallel, in the order it is first asked for."""
 
-    def __init__(self, jobs: int, order: list[tuple[str, str, int, dict]]):
+    def __init__(self, jobs: int, order: list[tuple[Shape, str, int, dict]]):
         self.pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=torch.cuda.init)
         self.pending = {}
         for job in order:
@@ -158,7 +158,8 @@ def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=list(SHAPES.values()),
+                        help=f"{', '.join(SHAPES)} or any model's EXPERTS,HIDDEN,INTERMEDIATE,TOP_K")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--out-dir", required=True, help="write one tuned table per shape and mode here")
@@ -168,13 +169,13 @@ def main():
 
     work = [(s, m) for s in args.shapes for m in args.modes]
     order = [(s, m, index, config) for s, m in work for tokens in args.tokens for index in (0, 1)
-             for config in search_space(SHAPES[s], tokens, MODES[m])]
+             for config in search_space(s, tokens, MODES[m])]
     started = time.perf_counter()
     compiler = Compiler(args.jobs, order)
     torch.manual_seed(0)
     results = []
-    for shape_key, mode in work:
-        shape, quant = SHAPES[shape_key], MODES[mode]
+    for shape, mode in work:
+        quant = MODES[mode]
         weights = random_weights(shape, quant)
         table = {}
         for tokens in args.tokens:
