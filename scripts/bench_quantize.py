@@ -133,7 +133,7 @@ def main() -> None:
         scheme = args.schemes.split(",")[0]
         dst = args.out / f"ours-{folder.name}"
         measured = measure(ours(folder, dst, scheme, args.device, args.workers))
-        add("quantize-moe", scheme, args.device, folder_bytes(folder), measured, dst)
+        add("quantize-moe", f"{scheme} ({folder.name})", args.device, folder_bytes(folder), measured, dst)
         shutil.rmtree(dst)
     Console(width=160).print(table)
     for scheme in args.schemes.split(","):
