@@ -28,7 +28,9 @@ def shard_bytes(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
 
 
-def test_shard_file_filled_in_place_equals_save_file(tmp_path):
+@pytest.mark.parametrize("write_behind_from", [tensor_files.WRITE_BEHIND_MIN_BYTES, 1])
+def test_shard_file_filled_in_place_equals_save_file(tmp_path, monkeypatch, write_behind_from):
+    monkeypatch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", write_behind_from)  # 1: every write behind
     tensors = {"b.weight": torch.randn(5, 7).to(fp8.FP8_DTYPE), "a.weight_scale": torch.tensor(3.0),
                "c": torch.randn(3, 2, dtype=torch.bfloat16), "empty": torch.empty(0)}
     shard = ShardFile(tmp_path / "in-place.safetensors",
@@ -93,6 +95,17 @@ def test_data_offsets_locate_every_tensor(tiny_checkpoint):
                 read = torch.empty(info.shape, dtype=info.dtype)
                 read_into(f.fileno(), offsets[name], read)
                 assert torch.equal(read, checkpoint.get(name)), name
+
+
+def test_writing_behind_changes_no_byte(tiny_checkpoint, tmp_path, monkeypatch):
+    src = tiny_checkpoint("mixtral")
+    outputs = []
+    for write_behind_from in (tensor_files.WRITE_BEHIND_MIN_BYTES, 1):  # 1: every write and copy behind
+        monkeypatch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", write_behind_from)
+        dst = tmp_path / f"from-{write_behind_from}"
+        quantize_checkpoint(src, dst, Options(max_shard_size=SMALL_SHARDS), show_progress=False)
+        outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
+    assert len(outputs[0]) > 3 and outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
