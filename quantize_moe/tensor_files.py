@@ -3,14 +3,16 @@
 The engine never holds a whole shard. It reads each source tensor with one
 `pread` into a buffer it reuses, and writes an output shard in two steps: the
 shard is laid out (safetensors' own header, then a data region of the right
-size that is allocated but never written), and each tensor's bytes are written
-into its place as soon as they exist, and written behind (`write_behind`): put on disk and
-dropped from the page cache at once. Only the real bytes are ever written,
-once; allocating the region up front (`fallocate`) makes those writes about
-twice as fast as filling a hole, and a full disk fails before any work.
+size that is allocated but never written), then each tensor's bytes are written
+into their place as soon as they exist, and written behind (`write_behind`):
+put on disk and dropped from the page cache at once. Only the real bytes are
+ever written, once; allocating the region up front (`fallocate`) makes those
+writes about twice as fast as filling a hole, and a full disk fails before any
+work.
 
 safetensors' serializer only writes whole files, so the header is assembled
-here from what the serializer says about empty stand-ins (`safetensors_header`).
+here from what the serializer says about one-element stand-ins
+(`safetensors_header`).
 
 Where a tensor lies comes from `safe_open(...).offset_keys()` (tensors in data
 order) and the format's rule that the data region holds them back to back with
@@ -103,7 +105,11 @@ def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
     """File offset of each tensor's first byte, in file order; `sizes` are the byte sizes of all
     tensors in the file."""
     with safe_open(path, framework="pt") as f:
-        order = f.offset_keys()
+        return _offsets(path, f.offset_keys(), sizes)
+
+
+def _offsets(path: Path, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
+    """The data region holds the tensors back to back and ends the file."""
     offset = os.path.getsize(path) - sum(sizes[name] for name in order)
     offsets = {}
     for name in order:
@@ -117,12 +123,13 @@ def tensor_regions(path: Path) -> dict[str, tuple[int, int]] | None:
     cannot read the file or it holds a dtype torch lacks."""
     try:
         with safe_open(path, framework="pt") as f:
-            slices = {name: f.get_slice(name) for name in f.offset_keys()}
+            order = f.offset_keys()
+            slices = {name: f.get_slice(name) for name in order}
             sizes = {name: SAFETENSORS_DTYPES[s.get_dtype()].itemsize * math.prod(s.get_shape())
                      for name, s in slices.items()}
     except (SafetensorError, KeyError):
         return None
-    return {name: (offset, sizes[name]) for name, offset in data_offsets(path, sizes).items()}
+    return {name: (offset, sizes[name]) for name, offset in _offsets(path, order, sizes).items()}
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
