@@ -8,7 +8,8 @@ benchmark's window, the quantity scripts/benchmark_moe.py reports, and keeps
 the fastest. (On compute-bound rows, GEMMs timed alone in short windows read
 up to 21% faster than the same configs back to back in 20 ms windows, and did not
 rank them the same.) It writes, per (shape, mode), a table {tokens: {"gemm1":
-..., "gemm2": ...}} named as kernels/configs.py expects.
+..., "gemm2": ...}} named as kernels/configs.py expects; where that table
+exists, only the rows of the token counts tuned are replaced.
 
 Compiling dominates a search, so it is done first-come in parallel processes
 (`--jobs`), in the order the timing process needs the kernels, and timing
@@ -24,6 +25,7 @@ import itertools
 import json
 import multiprocessing
 import time
+from pathlib import Path
 
 import torch
 
@@ -156,6 +158,14 @@ def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler) -> dict:
                 runners_up=finals[1:])
 
 
+def merged_table(path: Path, tuned: dict) -> dict:
+    """The table at `path` (if any) with the rows just tuned replaced: re-tuning some token counts
+    keeps the others."""
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table.update(tuned)
+    return dict(sorted(table.items(), key=lambda row: int(row[0])))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=list(SHAPES.values()),
@@ -185,9 +195,8 @@ def main():
             print(f"{time.perf_counter() - started:6.0f}s {shape.name:14} {mode:13} T={tokens:<5} "
                   f"both GEMMs {row['gemms_us']:8.1f} µs  "
                   f"({row['candidates']} candidates)  {row['gemm1']}  {row['gemm2']}", flush=True)
-        name = config_file_name(shape.experts, 2 * shape.inter, torch.cuda.get_device_name(), quant)
-        with open(f"{args.out_dir}/{name}", "w") as f:
-            json.dump(table, f, indent=1)
+        path = Path(args.out_dir) / config_file_name(shape.experts, 2 * shape.inter, torch.cuda.get_device_name(), quant)
+        path.write_text(json.dumps(merged_table(path, table), indent=1))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

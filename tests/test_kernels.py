@@ -167,6 +167,17 @@ def test_tuner_pairs_the_fastest_configs_that_share_block_m():
                      (config(64, 64), config(64, 256)), (config(64, 64), config(64, 128))]
 
 
+def test_tuner_replaces_only_the_rows_it_tuned(tmp_path):
+    from tune_moe import merged_table
+
+    path = tmp_path / "table.json"
+    assert merged_table(path, {"64": "new"}) == {"64": "new"}
+    path.write_text(json.dumps({"1": "old", "64": "old", "4096": "old"}))
+    merged = merged_table(path, {"64": "new", "256": "new"})
+    assert merged == {"1": "old", "64": "new", "256": "new", "4096": "old"}
+    assert list(merged) == ["1", "64", "256", "4096"]
+
+
 def test_kernels_under_triton_interpreter():
     """The Triton kernels on CPU: TRITON_INTERPRET is read when kernels are decorated, so a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
