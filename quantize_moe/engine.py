@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -71,6 +71,16 @@ def parse_devices(spec: str) -> list[torch.device]:
     if len(set(devices)) != len(devices) or (len(devices) > 1 and any(d.type == "cpu" for d in devices)):
         raise UserError(f"--device '{spec}' must be cpu, or distinct CUDA devices.")
     return devices
+
+
+def start_devices(devices: list[torch.device]) -> Future:
+    """Create the CUDA contexts of `devices` in a thread, so that this overlaps with making the plan;
+    the future's result re-raises a failure. (Only contexts: importing in two threads at once could
+    meet the other thread's half-imported modules.)"""
+    starter = ThreadPoolExecutor(1, "start-devices")
+    started = starter.submit(lambda: [torch.empty(1, device=d) for d in devices if d.type == "cuda"])
+    starter.shutdown(wait=False)
+    return started
 
 
 def default_workers(devices: list[torch.device]) -> int:

@@ -55,6 +55,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     devices = engine.parse_devices(device)
     if workers is not None and workers < 1:
         raise UserError(f"--workers {workers} must be at least 1.")
+    devices_started = engine.start_devices(devices)
     checkpoint = src if isinstance(src, Checkpoint) else Checkpoint(src, allow_pickle=allow_pickle)
     src, dst = checkpoint.folder, Path(dst)
     plan = make_plan(checkpoint, options)
@@ -68,6 +69,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     manifest.save()
 
     finished = {name for name in plan.shard_names if manifest.matches(name)}
+    devices_started.result()
     with byte_progress(show_progress) as progress:
         task = progress.add_task("quantizing", total=sum(i.input_bytes for i in plan.items))
         progress.advance(task, sum(item.input_bytes for name, items in zip(plan.shard_names, plan.shards)
