@@ -55,12 +55,13 @@ def config(layers: int, vocab: int) -> dict:
 def random_weight(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+    return (torch.randn(shape, generator=generator, device=generator.device) * 0.02).to(torch.bfloat16).cpu()
 
 
-def write_checkpoint(folder: Path, layers: int, vocab: int, shard_bytes: int, seed: int = 0) -> None:
+def write_checkpoint(folder: Path, layers: int, vocab: int, shard_bytes: int, seed: int = 0,
+                     device: str = "cpu") -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in tensor_shapes(layers, vocab):
@@ -89,8 +90,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-gb", type=float, default=2.0)
+    parser.add_argument("--device", default="cpu", help="draw the weights here (cuda: fast enough for N=32)")
     args = parser.parse_args()
-    write_checkpoint(args.folder, args.layers, args.vocab, int(args.shard_gb * 1e9))
+    write_checkpoint(args.folder, args.layers, args.vocab, int(args.shard_gb * 1e9), device=args.device)
 
 
 if __name__ == "__main__":
