@@ -13,6 +13,7 @@ quantization error.
 import torch
 import torch.nn.functional as F
 
+from quantize_moe import fp8
 from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -90,23 +91,20 @@ def dequantize_weight(
 
 
 def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 expert weights [E, N, K] and their scale (shapes as in quant_spec.py), from amax.
+    """FP8 expert weights [E, N, K] and their scales (shapes as in quant_spec.py), on w's device.
 
-    For tests and benchmarks: a simple round-to-nearest quantizer of random weights.
+    For tests and test fixtures: each expert goes through the quantizer that
+    writes checkpoints (`quantize_moe.fp8`, on the CPU), so kernels are checked on the
+    weights the tool ships.
     """
     num_experts, rows, cols = w.shape
-    magnitude = w.float().abs()
-    if quant.weight == "tensor":
-        scale = _scale_from_amax(magnitude.amax(dim=(1, 2)))
-    elif quant.weight == "channel":
-        scale = _scale_from_amax(magnitude.amax(dim=2))
-    else:
-        block_n, block_k = quant.block_shape
-        row_blocks, col_blocks = -(-rows // block_n), -(-cols // block_k)
-        padded = F.pad(magnitude, (0, col_blocks * block_k - cols, 0, row_blocks * block_n - rows))
-        blocks = padded.view(num_experts, row_blocks, block_n, col_blocks, block_k)
-        scale = _scale_from_amax(blocks.amax(dim=(2, 4)))
-    return _to_fp8(w, expand_weight_scale(scale, quant, w.shape)), scale
+    cell = {"tensor": (rows, cols), "channel": (1, cols), "block": quant.block_shape}[quant.weight]
+    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    grid = torch.stack([fp8.quantize_cells(expert, cell, out, f"expert {e}")
+                        for e, (expert, out) in enumerate(zip(w.cpu(), q))])  # [E, grid rows, grid cols]
+    if quant.weight != "block":  # [E] per tensor, [E, N] per channel
+        grid = grid.reshape(num_experts, rows) if quant.weight == "channel" else grid.reshape(num_experts)
+    return q.to(w.device), grid.to(w.device)
 
 
 def _fake_quantize(x: torch.Tensor, quant: MoEQuantSpec) -> torch.Tensor:
