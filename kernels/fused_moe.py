@@ -36,8 +36,24 @@ num_tokens_post_padded exit at once.
 
 FP8 scales: per-tensor and per-channel weight scales and per-token or
 per-tensor activation scales factor out of the K sum, so they are applied
-once after the loop. 128x128 block scales change every K step, so each step's
-partial product is scaled before it is added (BLOCK_SIZE_K must divide bk).
+once after the loop. 128x128 block scales change every K step s (BLOCK_SIZE_K
+must divide bk): C = sum_s scale_s * dot_s. Two ways to add that up, which
+the tuner picks between per config (RESCALE_ACC):
+
+  * each step's product lands in a second register tile and is scaled there
+    before it is added to acc. The next step's dot does not wait for that, so
+    tensor cores and scaling overlap; but the two tiles double the registers;
+  * the accumulator is kept in units of the current step's scale,
+
+        acc_s = acc_{s-1} * (scale_{s-1} / scale_s) + dot_s,     C = acc_last * scale_last,
+
+    so the tensor cores add each step's product into acc themselves: one
+    tile of registers, but each step waits for the
+    last. Scales are clamped to MIN_BLOCK_SCALE so that a zero scale (an
+    all-zero block) cannot make the ratio infinite; acc stays below
+    C / MIN_BLOCK_SCALE, far from float32's range.
+
+Which is faster depends on the tile; the tuner times both.
 
 Split-K: with SPLIT_K > 1 the grid gets a second axis and each program runs
 one SPLIT_K-th of the K loop, adding its partial tile into a zeroed float32 C
@@ -57,12 +73,10 @@ scalar times the per-row activation scale.
 Each GEMM has its own launch config (configs.py); the two share BLOCK_SIZE_M
 because one align step pads the expert runs for both.
 
-FP8 accumulation: outside block mode, the K loop accumulates with
-`tl.dot(a, b_tile, acc)` and Triton's default `max_num_imprecise_acc`, which on
-Hopper lets the tensor cores accumulate the whole loop in their reduced-
-precision fp8 accumulator (fast; ~1e-3 relative error, far below the FP8
-rounding itself). Block mode adds each step's dot to acc in fp32, so it is
-promoted every BLOCK_SIZE_K.
+FP8 accumulation: the K loop accumulates with `tl.dot(a, b_tile, acc)` and
+Triton's default `max_num_imprecise_acc`, which on Hopper lets the tensor cores
+accumulate in their reduced-precision fp8 accumulator (fast; ~1e-3 relative
+error, far below the FP8 rounding itself).
 """
 
 import functools
@@ -80,6 +94,25 @@ from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
 
 # Weight-scale layouts, as constexpr for the kernel.
 _SCHEME_CODE = {"none": 0, "tensor": 1, "channel": 2, "block": 3}
+MIN_BLOCK_SCALE = tl.constexpr(1e-30)  # block scales are clamped to this (see the module docstring)
+
+
+@triton.jit
+def _block_scales(a_scale_ptrs, b_scale_ptrs, k_step, pair_mask, stride_ask, stride_bsk, group_k,
+                  BLOCK_SIZE_K: tl.constexpr):
+    """The activation scales (one per row) and weight scale(s) (one, or one per column) of K step k_step."""
+    k_group = (k_step * BLOCK_SIZE_K) // group_k
+    a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=pair_mask, other=1.0)
+    b_scale = tl.load(b_scale_ptrs + k_group * stride_bsk)
+    return tl.maximum(a_scale, MIN_BLOCK_SCALE), tl.maximum(b_scale, MIN_BLOCK_SCALE)
+
+
+@triton.jit
+def _outer(row_factor, column_factor, SCALAR_COLUMN: tl.constexpr):
+    """row x column factors as a [BLOCK_M, 1] or [BLOCK_M, BLOCK_N] multiplier of a tile."""
+    if SCALAR_COLUMN:
+        return (row_factor * column_factor)[:, None]
+    return row_factor[:, None] * column_factor[None, :]
 
 
 # Arguments that vary with the token count or only feed index arithmetic: not specialized,
@@ -104,6 +137,7 @@ def _grouped_gemm_kernel(
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA_B: tl.constexpr,               # b is a tensor descriptor of B as [E*N, K], else a pointer
+    RESCALE_ACC: tl.constexpr,         # block scales: acc kept in units of the step's scale (docstring)
 ):
     # Grouped ordering: walk GROUP_SIZE_M M-blocks down a column of N-tiles before moving right.
     pid = tl.program_id(0)
@@ -147,6 +181,9 @@ def _grouped_gemm_kernel(
             b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if WEIGHT_SCHEME == 3 and RESCALE_ACC:  # the scales acc is in units of (its first step's: any would do for 0)
+        last_a_scale, last_b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs, tl.minimum(first_step, num_k_steps - 1),
+                                                   pair_mask, stride_ask, stride_bsk, group_k, BLOCK_SIZE_K)
     for k_step in range(first_step, last_step):
         k_left = K - k_step * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
@@ -156,17 +193,19 @@ def _grouped_gemm_kernel(
             b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             b_ptrs += BLOCK_SIZE_K * stride_bk
         if WEIGHT_SCHEME == 3:
-            k_group = (k_step * BLOCK_SIZE_K) // group_k
-            a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=pair_mask, other=0.0)
-            b_scale = tl.load(b_scale_ptrs + k_group * stride_bsk)
-            if SCALAR_B_SCALE:
-                acc += tl.dot(a, b_tile) * (a_scale * b_scale)[:, None]
-            else:
-                acc += tl.dot(a, b_tile) * a_scale[:, None] * b_scale[None, :]
+            a_scale, b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs, k_step, pair_mask, stride_ask, stride_bsk,
+                                             group_k, BLOCK_SIZE_K)
+        if WEIGHT_SCHEME == 3 and not RESCALE_ACC:  # this step's product scaled, then added
+            acc += tl.dot(a, b_tile) * _outer(a_scale, b_scale, SCALAR_B_SCALE)
         else:
+            if WEIGHT_SCHEME == 3:  # acc into units of this step's scale (see the docstring)
+                acc = acc * _outer(last_a_scale / a_scale, last_b_scale / b_scale, SCALAR_B_SCALE)
+                last_a_scale, last_b_scale = a_scale, b_scale
             acc = tl.dot(a, b_tile, acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
 
+    if WEIGHT_SCHEME == 3 and RESCALE_ACC:
+        acc = acc * _outer(last_a_scale, last_b_scale, SCALAR_B_SCALE)
     if WEIGHT_SCHEME == 1 or WEIGHT_SCHEME == 2:
         if PER_ROW_A_SCALE:
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm, mask=pair_mask, other=0.0)[:, None]
@@ -257,6 +296,7 @@ def invoke_grouped_gemm(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k,
         GROUP_SIZE_M=config["GROUP_SIZE_M"], SPLIT_K=split_k, TMA_B=tma_b,
+        RESCALE_ACC=quant.weight == "block" and config.get("RESCALE_ACC", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 

@@ -10,11 +10,12 @@ graphs (median of triton.testing.do_bench_cudagraph):
 Routing is uniform random (each token picks top_k distinct experts), weights
 random. Tables come from scripts/tune_moe.py.
 
-    python scripts/benchmark_moe.py --json bench.json
+    python scripts/benchmark_moe.py --json bench.json --passes 3
 """
 
 import argparse
 import json
+import statistics
 
 import torch
 import triton
@@ -49,12 +50,25 @@ def bench_row(shape, mode, tokens, weights):
     )
 
 
+def median_rows(passes: list[list[dict]]) -> list[dict]:
+    """Each row with the median of its passes' times, and the spread of its GEMM times (max - min) / median."""
+    rows = []
+    for same_row in zip(*passes):
+        gemms = sorted(r["gemms_us"] for r in same_row)
+        row = dict(same_row[0], gemms_us=statistics.median(gemms),
+                   layer_us=statistics.median(r["layer_us"] for r in same_row), passes=len(same_row))
+        rows.append(dict(row, spread=(gemms[-1] - gemms[0]) / row["gemms_us"]))
+    return rows
+
+
 def print_table(rows):
-    print(f"{'shape':15} {'mode':13} {'T':>5} {'gemms µs':>9} {'layer µs':>9} {'vLLM µs':>8} {'floor µs':>9} {'floor/gemms':>11}")
+    print(f"{'shape':15} {'mode':13} {'T':>5} {'gemms µs':>9} {'spread':>7} {'layer µs':>9} {'vLLM µs':>8} "
+          f"{'floor µs':>9} {'floor/gemms':>11}")
     for r in rows:
         anchor = f"{r['anchor_us']:.0f}" if r["anchor_us"] else "-"
-        print(f"{r['shape']:15} {r['mode']:13} {r['tokens']:>5} {r['gemms_us']:>9.1f} {r['layer_us']:>9.1f} "
-              f"{anchor:>8} {r['floor_us']:>9.1f} {r['floor_us'] / r['gemms_us']:>10.0%}", flush=True)
+        print(f"{r['shape']:15} {r['mode']:13} {r['tokens']:>5} {r['gemms_us']:>9.1f} {r.get('spread', 0):>7.1%} "
+              f"{r['layer_us']:>9.1f} {anchor:>8} {r['floor_us']:>9.1f} {r['floor_us'] / r['gemms_us']:>10.0%}",
+              flush=True)
 
 
 def main():
@@ -63,19 +77,26 @@ def main():
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--json", help="write all rows (with the configs used) to this file")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="sweep this many times and report each row's median (large-T rows vary by several "
+                             "percent with the card's clocks)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    rows = []
-    for shape in (SHAPES[s] for s in args.shapes):
-        for mode in args.modes:
-            weights = random_weights(shape, MODES[mode])
-            shape_rows = [bench_row(shape, mode, tokens, weights) for tokens in args.tokens]
-            print_table(shape_rows)
-            rows += shape_rows
-            del weights
-            torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
+    passes = []
+    for _ in range(args.passes):
+        passes.append([])
+        for shape in (SHAPES[s] for s in args.shapes):
+            for mode in args.modes:
+                weights = random_weights(shape, MODES[mode])
+                shape_rows = [bench_row(shape, mode, tokens, weights) for tokens in args.tokens]
+                print_table(shape_rows)
+                passes[-1] += shape_rows
+                del weights
+                torch.cuda.empty_cache()
+    rows = median_rows(passes)
+    print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}, "
+          f"median of {args.passes} pass(es)")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,8 @@ median, a short window) over a search space pruned by how many rows one expert
 sees; pairs the fastest few GEMM1 and GEMM2 configs of each BLOCK_SIZE_M (which
 both share: one align step feeds both); times those pairs back to back in the
 benchmark's window, the quantity scripts/benchmark_moe.py reports, and keeps
-the fastest. (On compute-bound rows, GEMMs timed alone in short windows read
+the fastest; the table's current entry for that token count runs among
+the finalists too. (On compute-bound rows, GEMMs timed alone in short windows read
 up to 21% faster than the same configs back to back in 20 ms windows, and did not
 rank them the same.) It writes, per (shape, mode), a table {tokens: {"gemm1":
 ..., "gemm2": ...}} named as kernels/configs.py expects; where that table
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from moe_problems import MODES, REP_MS, SHAPES, TOKENS, GemmInputs, Shape, parse_shape, random_weights, time_us
-from quantize_moe.kernels.configs import config_file_name
+from quantize_moe.kernels.configs import config_file_name, per_gemm
 from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
 from quantize_moe.moe.quant_spec import MoEQuantSpec
 
@@ -50,8 +51,9 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     pipelines and split-K, so that many programs stream weights at once.
     Many rows (compute bound): BLOCK_M 64-128, wide tiles, grouped ordering
     and 8 warps for the big tiles. Weight tiles by pointers or TMA; BLOCK_K
-    dividing the 128 quantization group in block mode; the pipeline stages
-    within the SM's shared memory. Pruned after a wider
+    dividing the 128 quantization group in block mode, and both ways of
+    applying block scales when compute bound; the pipeline stages within the
+    SM's shared memory. Pruned after a wider
     first search on the H200 (Mixtral FP8 at T=1 and T=4096: docs/performance.md).
     """
     rows = rows_per_expert(shape, tokens)
@@ -67,14 +69,17 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
         block_ks = (128,) if quant.is_fp8 else (64, 128)
         split_ks = (1,)
     group_ms = (8,) if rows >= 64 else (1,)
+    # Block scales: both ways of applying them where the tensor cores are busy (fused_moe.py).
+    rescale = {"RESCALE_ACC": (False, True)} if quant.weight == "block" and not memory_bound else {}
     space = []
     for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
                                                        (False, True)):
         if s * (m + n) * k * element_bytes > SHARED_MEMORY or (split > 1 and m > 16):
             continue
         for warps in (4, 8) if m * n >= 128 * 128 else (4,):
-            space.append(dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
-                              num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma))
+            config = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
+                          num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma)
+            space += [dict(config, **dict(zip(rescale, choice))) for choice in itertools.product(*rescale.values())]
     return space
 
 
@@ -129,8 +134,10 @@ class Compiler:
         self.pool.terminate()
 
 
-def finalist_pairs(timed1: list[tuple[float, dict]], timed2: list[tuple[float, dict]]) -> list[tuple[dict, dict]]:
-    """(GEMM1, GEMM2) pairs of the FINALISTS fastest configs of each GEMM for every BLOCK_SIZE_M."""
+def finalist_pairs(timed1: list[tuple[float, dict]], timed2: list[tuple[float, dict]],
+                   incumbent: tuple[dict, dict] | None = None) -> list[tuple[dict, dict]]:
+    """(GEMM1, GEMM2) pairs of the FINALISTS fastest configs of each GEMM for every BLOCK_SIZE_M, and
+    the table's current pair (`incumbent`) if it is not among them."""
     def best(timed):
         by_m = {}
         for _, config in sorted(timed, key=lambda t: t[0]):
@@ -138,11 +145,14 @@ def finalist_pairs(timed1: list[tuple[float, dict]], timed2: list[tuple[float, d
         return {m: configs[:FINALISTS] for m, configs in by_m.items()}
 
     best1, best2 = best(timed1), best(timed2)
-    return [(c1, c2) for m in sorted(best1.keys() & best2.keys()) for c1 in best1[m] for c2 in best2[m]]
+    pairs = [(c1, c2) for m in sorted(best1.keys() & best2.keys()) for c1 in best1[m] for c2 in best2[m]]
+    return pairs + [incumbent] if incumbent and incumbent not in pairs else pairs
 
 
-def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler) -> dict:
-    """The fastest (GEMM1, GEMM2) pair for one token count, with its time and the runners-up."""
+def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler, incumbent: tuple[dict, dict] | None) -> dict:
+    """The fastest (GEMM1, GEMM2) pair for one token count, with its time and the runners-up. The
+    table's current entry for this token count (`incumbent`) runs among the finalists, so re-tuning
+    never replaces it with a pair that times slower back to back."""
     space = search_space(inputs.shape, inputs.tokens, inputs.quant)
     timed = []
     for index in (0, 1):
@@ -151,18 +161,21 @@ def tune_row(inputs: GemmInputs, mode: str, compiler: Compiler) -> dict:
             compiler.wait(mode, index, config)
             alone.append((time_us(inputs.gemm(index, config), QUICK_REP_MS), config))
         timed.append(alone)
-    finals = sorted(((time_us(inputs.both(c1, c2), REP_MS), c1, c2) for c1, c2 in finalist_pairs(*timed)),
-                    key=lambda final: final[0])
+    pairs = finalist_pairs(*timed, incumbent)
+    finals = sorted(((time_us(inputs.both(c1, c2), REP_MS), c1, c2) for c1, c2 in pairs), key=lambda final: final[0])
     gemms_us, config1, config2 = finals[0]
     return dict(tokens=inputs.tokens, gemms_us=gemms_us, gemm1=config1, gemm2=config2, candidates=len(space),
-                runners_up=finals[1:])
+                kept=(config1, config2) == incumbent, runners_up=finals[1:])
+
+
+def read_table(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def merged_table(path: Path, tuned: dict) -> dict:
     """The table at `path` (if any) with the rows just tuned replaced: re-tuning some token counts
     keeps the others."""
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    table.update(tuned)
+    table = {**read_table(path), **tuned}
     return dict(sorted(table.items(), key=lambda row: int(row[0])))
 
 
@@ -187,15 +200,17 @@ def main():
     for shape, mode in work:
         quant = MODES[mode]
         weights = random_weights(shape, quant)
+        path = Path(args.out_dir) / config_file_name(shape.experts, 2 * shape.inter, torch.cuda.get_device_name(), quant)
+        current = {int(tokens): per_gemm(entry) for tokens, entry in read_table(path).items()}
         table = {}
         for tokens in args.tokens:
-            row = tune_row(GemmInputs(shape, quant, weights, tokens), mode, compiler)
+            row = tune_row(GemmInputs(shape, quant, weights, tokens), mode, compiler, current.get(tokens))
             table[str(tokens)] = dict(gemm1=row["gemm1"], gemm2=row["gemm2"])
             results.append(dict(shape=shape.name, mode=mode, **row))
             print(f"{time.perf_counter() - started:6.0f}s {shape.name:14} {mode:13} T={tokens:<5} "
                   f"both GEMMs {row['gemms_us']:8.1f} µs  "
-                  f"({row['candidates']} candidates)  {row['gemm1']}  {row['gemm2']}", flush=True)
-        path = Path(args.out_dir) / config_file_name(shape.experts, 2 * shape.inter, torch.cuda.get_device_name(), quant)
+                  f"({row['candidates']} candidates{', kept the entry' if row['kept'] else ''})  "
+                  f"{row['gemm1']}  {row['gemm2']}", flush=True)
         path.write_text(json.dumps(merged_table(path, table), indent=1))
         if args.json:
             with open(args.json, "w") as f:

@@ -48,6 +48,9 @@ FP8_CONFIGS = {
     "n64-split-k": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, SPLIT_K=2),
     "n64-tma": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, TMA_B=True),
     "n256-tma-split-k": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, TMA_B=True, SPLIT_K=3),
+    # Block scales applied by rescaling the accumulator (other modes ignore RESCALE_ACC).
+    "n64-rescale": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, RESCALE_ACC=True),
+    "n256-rescale-split-k": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, SPLIT_K=3, RESCALE_ACC=True),
 }
 
 
@@ -57,18 +60,10 @@ def test_grouped_gemm_fp8_operands(mode, config):
     """Both GEMMs with FP8 inputs quantized by torch: scales applied as the spec says."""
     tokens, top_k, experts = 6, 2, 4
     p = quantized(random_problem(tokens, 256, 160, experts, top_k), MODES[mode])
-    sorted_ids, expert_ids, num_post = moe_align_block_size(p.topk_ids, config["BLOCK_SIZE_M"], experts)
-    align = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post,
-                 quant=p.quant, config=config)
+    align = _aligned(p, config)
+    assert _gate_up_error(p, quantize_activation(p.hidden_states, p.quant), align) < 1e-5
+
     flat_ids = p.topk_ids.reshape(-1).long()
-
-    x, x_scale = quantize_activation(p.hidden_states, p.quant)
-    gate_up = _poisoned_output(tokens * top_k, p.w13.shape[1], config)
-    invoke_grouped_gemm(x, x_scale, p.w13, p.w13_scale, gate_up, None, a_row_divisor=top_k, **align)
-    x_exact = dequantize_activation(x, x_scale, p.quant, torch.float64).repeat_interleave(top_k, dim=0)
-    w13 = dequantize_weight(p.w13, p.w13_scale, p.quant, torch.float64)[flat_ids]
-    assert relative_error(gate_up, torch.einsum("ph,pnh->pn", x_exact, w13)) < 1e-5
-
     act, act_scale = quantize_activation(torch.randn(tokens * top_k, p.w2.shape[2]), p.quant)
     out = _poisoned_output(tokens * top_k, p.w2.shape[1], config)
     weights = p.topk_weights.reshape(-1)
@@ -77,6 +72,35 @@ def test_grouped_gemm_fp8_operands(mode, config):
     w2 = dequantize_weight(p.w2, p.w2_scale, p.quant, torch.float64)[flat_ids]
     expected = torch.einsum("pi,phi->ph", act_exact, w2) * weights.double().unsqueeze(1)
     assert relative_error(out, expected) < 1e-5
+
+
+def test_block_scales_over_many_orders_of_magnitude_and_zero():
+    """Block scales that jump by up to 1e12 from one K step to the next, zero weight scales (an all-zero
+    block) and all-zero activation groups: both ways of applying block scales stay exact and finite."""
+    quant = MODES["fp8-block128"]
+    p = quantized(random_problem(8, 768, 160, 4, 2), quant)
+    p.w13_scale *= torch.logspace(-6, 6, p.w13_scale.shape[2])
+    p.w13_scale[0, 0, 2] = 0
+    p.hidden_states[:, 128:256] = 0
+    for config in (FP8_CONFIGS[name] for name in ("n64", "n256", "n64-rescale", "n256-rescale-split-k")):
+        assert _gate_up_error(p, quantize_activation(p.hidden_states, quant), _aligned(p, config)) < 1e-5
+
+
+def _aligned(p, config) -> dict:
+    """The routing and launch arguments of invoke_grouped_gemm for problem p."""
+    sorted_ids, expert_ids, num_post = moe_align_block_size(p.topk_ids, config["BLOCK_SIZE_M"], p.w13.shape[0])
+    return dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post,
+                quant=p.quant, config=config)
+
+
+def _gate_up_error(p, quantized_x, align) -> float:
+    """GEMM1 of problem p on FP8 activations, against the dequantized operands in float64."""
+    (x, x_scale), top_k = quantized_x, p.topk_ids.shape[1]
+    gate_up = _poisoned_output(x.shape[0] * top_k, p.w13.shape[1], align["config"])
+    invoke_grouped_gemm(x, x_scale, p.w13, p.w13_scale, gate_up, None, a_row_divisor=top_k, **align)
+    x_exact = dequantize_activation(x, x_scale, p.quant, torch.float64).repeat_interleave(top_k, dim=0)
+    w13 = dequantize_weight(p.w13, p.w13_scale, p.quant, torch.float64)[p.topk_ids.reshape(-1).long()]
+    return relative_error(gate_up, torch.einsum("ph,pnh->pn", x_exact, w13))
 
 
 def _poisoned_output(rows, cols, config):

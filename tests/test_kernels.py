@@ -150,6 +150,8 @@ def test_tuner_search_space(shape_key, tokens):
             assert c["SPLIT_K"] == 1 or c["BLOCK_SIZE_M"] == 16
         block_ms = {c["BLOCK_SIZE_M"] for c in space}
         rows = tokens * shape.top_k / shape.experts
+        rescales = {c.get("RESCALE_ACC") for c in space}
+        assert rescales == ({False, True} if quant.weight == "block" and rows > 16 else {None}), mode
         assert (min(block_ms) == 16) == (rows <= 64) and (max(block_ms) == 128) == (rows >= 64)
 
 
@@ -165,6 +167,10 @@ def test_tuner_pairs_the_fastest_configs_that_share_block_m():
     assert FINALISTS == 2 and all(c1["BLOCK_SIZE_M"] == c2["BLOCK_SIZE_M"] for c1, c2 in pairs)
     assert pairs == [(config(16, 64), config(16, 16)), (config(16, 128), config(16, 16)),
                      (config(64, 64), config(64, 256)), (config(64, 64), config(64, 128))]
+    # The table's current entry runs too, once.
+    incumbent = (config(128, 64), config(128, 64))
+    assert finalist_pairs(gemm1, gemm2, incumbent) == pairs + [incumbent]
+    assert finalist_pairs(gemm1, gemm2, pairs[2]) == pairs
 
 
 def test_tuner_replaces_only_the_rows_it_tuned(tmp_path):
@@ -176,6 +182,19 @@ def test_tuner_replaces_only_the_rows_it_tuned(tmp_path):
     merged = merged_table(path, {"64": "new", "256": "new"})
     assert merged == {"1": "old", "64": "new", "256": "new", "4096": "old"}
     assert list(merged) == ["1", "64", "256", "4096"]
+
+
+def test_benchmark_reports_the_median_pass_and_the_spread():
+    from benchmark_moe import median_rows
+
+    def row(tokens, gemms, layer):
+        return dict(shape="Mixtral", mode="bf16", tokens=tokens, gemms_us=gemms, layer_us=layer)
+
+    passes = [[row(1, 10.0, 20.0), row(64, 100.0, 110.0)], [row(1, 12.0, 21.0), row(64, 90.0, 100.0)],
+              [row(1, 11.0, 25.0), row(64, 95.0, 120.0)]]
+    short, long = median_rows(passes)
+    assert (short["tokens"], short["gemms_us"], short["layer_us"], short["passes"]) == (1, 11.0, 21.0, 3)
+    assert short["spread"] == 2.0 / 11.0 and long["gemms_us"] == 95.0 and long["spread"] == 10.0 / 95.0
 
 
 def test_kernels_under_triton_interpreter():

@@ -39,6 +39,11 @@ VARIANTS = {
     "n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3),
     "tma": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, TMA_B=True),
     "tma-split-k": dict(gemm1=dict(_BASE, SPLIT_K=2, TMA_B=True), gemm2=dict(_BASE, BLOCK_SIZE_N=128, TMA_B=True)),
+    # Block scales applied by rescaling the accumulator: one scale per N tile and K step, and one per column.
+    "rescale": dict(_BASE, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_stages=3, TMA_B=True,
+                    RESCALE_ACC=True),
+    "rescale-n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, GROUP_SIZE_M=8, num_warps=8, num_stages=3,
+                         RESCALE_ACC=True),
 }
 
 
