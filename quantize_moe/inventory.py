@@ -48,7 +48,7 @@ class Inventory:
 def take_inventory(checkpoint: Checkpoint, adapter: str | None = None) -> Inventory:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     family = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
-    config = parse_config(checkpoint.raw_config, family, where)
+    config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
     spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
     tensors, scales = {}, {}
     for name, info in checkpoint.tensors.items():

@@ -172,7 +172,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     _check_source_readable(checkpoint.raw_config, where)
     source = SourceReader(checkpoint, dtype=torch.float32, adapter=options.adapter)
     family = source.family
-    config = parse_config(checkpoint.raw_config, family, where)
+    config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
     roles = {name: family.role(name, len(checkpoint.tensors[name].shape)) for name in source.names}
     options = resolve_options(options, [(name, checkpoint.tensors[name].shape) for name in source.names
                                         if roles[name].kind == Kind.ROUTED_EXPERT],

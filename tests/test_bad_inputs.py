@@ -139,6 +139,8 @@ CASES = {
                        ["model_type 'llama'", "does not support"], True),
     "expert count": (lambda src, _: edit_config(src, lambda c: c.update(num_local_experts=8)),
                      ["declares 8 experts in layer 0", "holds 4"], True),
+    "absurd layer count": (lambda src, _: edit_config(src, lambda c: c.update(num_hidden_layers=10 ** 9)),
+                           ["declares 1000000000 decoder layers", "hold 2"], True),
     "fp8 tensors without config": (lambda src, _: edit_tensor(src, EXPERT, lambda t: t.to(torch.float8_e4m3fn)),
                                    [EXPERT, "float8_e4m3fn", "unquantized"], True),
     "quantized, no way back": (

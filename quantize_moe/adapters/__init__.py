@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
@@ -55,8 +57,9 @@ def adapter_for(raw_config: dict, where: str = "config.json", tensors: dict | No
     return family
 
 
-def parse_config(raw_config: dict, family: PerExpertFamily, where: str = "config.json") -> PretrainedConfig:
-    """Parse config.json with transformers' own config class for the family (no remote code)."""
+def parse_config(raw_config: dict, family: PerExpertFamily, where: str, tensor_names: Iterable[str]) -> PretrainedConfig:
+    """Parse config.json with transformers' own config class for the family (no remote code), and check
+    that its decoder layers are in the checkpoint (`tensor_names`)."""
     if isinstance(family, GenericFamily):  # no config class knows the keys: keep them all as attributes
         config_class = PretrainedConfig
     else:
@@ -65,7 +68,20 @@ def parse_config(raw_config: dict, family: PerExpertFamily, where: str = "config
     # transformers writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit)
     fields = config_class._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
     try:
-        return config_class.from_dict(fields)
+        config = config_class.from_dict(fields)
     except (TypeError, ValueError, StrictDataclassError) as e:  # transformers 5 validates fields strictly
         raise UserError(f"{where} could not be parsed as a {family.name} config ({e}); "
                         "restore the original config.json.") from None
+    _check_layer_count(config, family, where, tensor_names)
+    return config
+
+
+def _check_layer_count(config: PretrainedConfig, family: PerExpertFamily, where: str,
+                       tensor_names: Iterable[str]) -> None:
+    """Every per-layer walk runs to num_hidden_layers: a count beyond the layers on disk (an absurd one
+    would never finish) means the config does not belong to these weights."""
+    declared = getattr(config.get_text_config(), "num_hidden_layers", None)
+    on_disk = 1 + max((layer for name in tensor_names if (layer := family.layer_of(name)) is not None), default=-1)
+    if isinstance(declared, int) and declared > on_disk:
+        raise UserError(f"{where} declares {declared} decoder layers (num_hidden_layers), but the checkpoint's "
+                        f"tensors hold {on_disk}; restore the config.json that belongs to these weights.")

@@ -43,7 +43,7 @@ class MoECheckpoint:
         checkpoint = Checkpoint(folder)
         where = f"'{checkpoint.folder / CONFIG_NAME}'"
         family = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
-        config = parse_config(checkpoint.raw_config, family, where)
+        config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
         spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
         experts: dict[int, list] = defaultdict(list)
         fused: dict[int, list] = defaultdict(list)
