@@ -4,7 +4,7 @@ The engine never holds a whole shard. It reads each source tensor with one
 `pread` into a buffer it reuses, and writes an output shard in two steps: the
 shard is laid out (safetensors' own header, then a data region of the right
 size that is allocated but never written), then each tensor's bytes are written
-into their place as soon as they exist, and written behind (`write_behind`):
+into their place as soon as they exist, and written behind (`written_behind`):
 put on disk and dropped from the page cache at once. Only the real bytes are
 ever written, once; allocating the region up front (`fallocate`) makes those
 writes about twice as fast as filling a hole, and a full disk fails before any
@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -87,8 +88,11 @@ def allocate(fd: int, size: int, path: Path) -> None:
     os.ftruncate(fd, size)
 
 
-def write_behind(fd: int, offset: int, count: int) -> None:
-    """Put `count` written bytes at `offset` on disk now and drop them from the page cache.
+@contextmanager
+def written_behind(fd: int, offset: int, count: int):
+    """Around work that needs no disk (hashing what was written): start putting `count` written bytes
+    at `offset` on disk, run the work while the disk writes, then wait for them and drop them from
+    the page cache.
 
     An output left to pile up in the page cache evicts the source there and on a machine smaller
     than the model ends up written back in bursts that stall every writer; on a VM whose free
@@ -96,8 +100,9 @@ def write_behind(fd: int, offset: int, count: int) -> None:
     writes ran at 0.4-0.6 GB/s, 2.0-2.5 GB/s written behind, the disk takes 3.3 GB/s). The
     pages written behind are reused for the next writes instead. Where the file system cannot
     do this, the bytes stay in the page cache as with any write."""
-    if count >= WRITE_BEHIND_MIN_BYTES and _libc.sync_file_range(
-            fd, offset, count, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) == 0:
+    started = count >= WRITE_BEHIND_MIN_BYTES and _libc.sync_file_range(fd, offset, count, _SYNC_WRITE) == 0
+    yield
+    if started and _libc.sync_file_range(fd, offset, count, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) == 0:
         os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
 
 
@@ -171,8 +176,8 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
         if check is not None:
             check(chunk)
         write_at(dst_fd, dst_offset, chunk)
-        write_behind(dst_fd, dst_offset, len(chunk))
-        digest.update(_as_bytes(chunk))
+        with written_behind(dst_fd, dst_offset, len(chunk)):
+            digest.update(_as_bytes(chunk))
         src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
     return digest.digest()
 
@@ -196,8 +201,8 @@ class ShardFile:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         view = _as_bytes(tensor)
         write_all_at(self.fd, self.offsets[name], view)
-        write_behind(self.fd, self.offsets[name], len(view))
-        self.tensor_sha256[name] = hashlib.sha256(view).digest()
+        with written_behind(self.fd, self.offsets[name], len(view)):
+            self.tensor_sha256[name] = hashlib.sha256(view).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:

@@ -19,6 +19,7 @@ START = time.perf_counter()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -29,8 +30,8 @@ from quantize_moe.plan import Options  # noqa: E402
 IMPORTED = time.perf_counter()
 WRAPPED = [(orchestrator, "make_plan"), (orchestrator, "check_free_space"), (orchestrator, "copy_extra_files"),
            (engine, "Worker"), (engine, "process"), (engine, "read_into"), (tensor_files, "copy_range"),
-           (tensor_files.ShardFile, "write"), (tensor_files, "write_behind"), (manifest.Manifest, "record"),
-           (manifest.Manifest, "finish")]
+           (tensor_files.ShardFile, "write"), (manifest.Manifest, "record"), (manifest.Manifest, "finish")]
+WRAPPED_CONTEXTS = [(tensor_files, "written_behind")]  # timed from entering the with-block to leaving it
 
 
 def timed(function, name: str, events: list):
@@ -38,6 +39,18 @@ def timed(function, name: str, events: list):
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
+        finally:
+            events.append((name, threading.current_thread().name, start - IMPORTED, time.perf_counter() - IMPORTED))
+    return wrapper
+
+
+def timed_context(function, name: str, events: list):
+    @contextlib.contextmanager
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            with function(*args, **kwargs):
+                yield
         finally:
             events.append((name, threading.current_thread().name, start - IMPORTED, time.perf_counter() - IMPORTED))
     return wrapper
@@ -54,10 +67,11 @@ def main() -> None:
     args = parser.parse_args()
 
     events: list = []
-    for owner, name in WRAPPED:
-        setattr(owner, name, timed(getattr(owner, name), name, events))
+    for wrap, wrapped in ((timed, WRAPPED), (timed_context, WRAPPED_CONTEXTS)):
+        for owner, name in wrapped:
+            setattr(owner, name, wrap(getattr(owner, name), name, events))
     if args.no_write_behind:
-        tensor_files.write_behind = lambda fd, offset, count: None
+        tensor_files.written_behind = lambda fd, offset, count: contextlib.nullcontext()
     summary = orchestrator.quantize_checkpoint(args.src, args.dst, Options(scheme=args.scheme), overwrite=True,
                                                show_progress=False, device=args.device, workers=args.workers)
     print(f"import {IMPORTED - START:.2f} s, quantize_checkpoint {summary.seconds:.2f} s")
