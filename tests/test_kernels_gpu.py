@@ -42,8 +42,8 @@ VARIANTS = {
     # Block scales applied by rescaling the accumulator: one scale per N tile and K step, and one per column.
     "rescale": dict(_BASE, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_stages=3, TMA_B=True,
                     RESCALE_ACC=True),
-    "rescale-n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, GROUP_SIZE_M=8, num_warps=8, num_stages=3,
-                         RESCALE_ACC=True),
+    "rescale-n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8,
+                         num_stages=3, RESCALE_ACC=True),
 }
 
 
