@@ -48,10 +48,10 @@ the tuner picks between per config (RESCALE_ACC):
         acc_s = acc_{s-1} * (scale_{s-1} / scale_s) + dot_s,     C = acc_last * scale_last,
 
     so the tensor cores add each step's product into acc themselves: one
-    tile of registers, but each step waits for the
-    last. Scales are clamped to MIN_BLOCK_SCALE so that a zero scale (an
-    all-zero block) cannot make the ratio infinite; acc stays below
-    C / MIN_BLOCK_SCALE, far from float32's range.
+    tile of registers, but each step waits for the last. Scales are clamped
+    to MIN_BLOCK_SCALE so that a zero scale (an all-zero block) cannot make
+    the ratio infinite; acc stays below C / MIN_BLOCK_SCALE, far from
+    float32's range.
 
 Which is faster depends on the tile; the tuner times both.
 
