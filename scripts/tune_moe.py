@@ -70,7 +70,7 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
         split_ks = (1,)
     group_ms = (8,) if rows >= 64 else (1,)
     # Block scales: both ways of applying them where the tensor cores are busy (fused_moe.py).
-    rescale = {"RESCALE_ACC": (False, True)} if quant.weight == "block" and not memory_bound else {}
+    rescales = (False, True) if quant.weight == "block" and not memory_bound else (None,)
     space = []
     for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
                                                        (False, True)):
@@ -79,7 +79,7 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
         for warps in (4, 8) if m * n >= 128 * 128 else (4,):
             config = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
                           num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma)
-            space += [dict(config, **dict(zip(rescale, choice))) for choice in itertools.product(*rescale.values())]
+            space += [config if rescale is None else dict(config, RESCALE_ACC=rescale) for rescale in rescales]
     return space
 
 
