@@ -1,7 +1,7 @@
 """Time quantize-moe against llm-compressor's `model_free_ptq` and against the disk, and print a table.
 
 Every run is a separate process on a warm page cache (each checkpoint is read
-once before its runs); wall time and the peak RSS of that process (from
+once before its runs, and our imports are run once); wall time and the peak RSS of that process (from
 `wait4`) are recorded. Pairs: our per-channel scheme vs llm-compressor's
 FP8_DYNAMIC, our block scheme vs its FP8_BLOCK. llm-compressor runs from its
 own virtual environment (--llmc-python), never from this project's. With
@@ -69,6 +69,12 @@ def warm(folder: Path) -> None:
                 pass
 
 
+def warm_imports(device: str) -> None:
+    """Import what a run imports once, so that no timed run pays for reading torch's libraries from disk."""
+    modules = "quantize_moe.quantize" + (", quantize_moe.cuda_quant" if device != "cpu" else "")
+    subprocess.run([sys.executable, "-c", f"import {modules}"], check=True)
+
+
 def ours(src: Path, dst: Path, scheme: str, device: str, workers: int) -> list[str]:
     return [sys.executable, "-c", OURS_SNIPPET, str(src), str(dst), scheme, device, str(workers)]
 
@@ -123,6 +129,7 @@ def main() -> None:
         return out_bytes
 
     warm(args.checkpoint)
+    warm_imports(args.device)
     output_bytes: dict[str, int] = {}
     for scheme in args.schemes.split(","):
         for _ in range(args.repeat):
