@@ -14,7 +14,8 @@ BLOCK_SIZE_M, because one align step pads the expert runs for both.
 A launch config holds CONFIG_KEYS and optionally SPLIT_K (default 1: each
 program owns a whole K loop; more splits the K loop over that many programs,
 which add into a zeroed float32 output), TMA_B (default false: load weight
-tiles through a TMA descriptor; Hopper and later) and, for block-scaled
+tiles through a TMA descriptor; Hopper and later), PERSISTENT (default false:
+one program per SM walks the tiles; see fused_moe.py) and, for block-scaled
 weights, RESCALE_ACC (default false: how the K loop applies the block scales;
 see fused_moe.py).
 """

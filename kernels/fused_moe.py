@@ -28,11 +28,19 @@ block, as in Triton's matmul tutorial:
         C[pairs, n-tile] = acc * scales * router weight
 
 row(p) is p // top_k for GEMM1 (A is the token's hidden state) and p for
-GEMM2 (A is that pair's intermediate activation). Programs are ordered in
+GEMM2 (A is that pair's intermediate activation). Tiles are ordered in
 groups of GROUP_SIZE_M M-blocks (the tutorial's "grouped ordering") so that
-programs running together share B tiles in L2. The grid has the worst-case
-number of M-blocks so that no host sync is needed; blocks at or past
-num_tokens_post_padded exit at once.
+programs running together share B tiles in L2. Only the kernel knows how many
+M-blocks hold pairs (num_tokens_post_padded, from the align step), so the grid
+is sized for the worst case without a host sync, and tiles past the real ones
+are not run.
+
+Persistent grid: with PERSISTENT, one program per SM walks the tiles (tile,
+tile + #programs, ...) instead of one program per tile, and the tile loop is
+flattened with the K loop (`tl.range(flatten=True)`), so that the pipeline
+loads the next tile's first K steps while this tile's epilogue scales and
+stores it. A compute-bound GEMM whose tiles take a whole SM's shared memory
+otherwise leaves the tensor cores idle during every epilogue and pipeline fill.
 
 FP8 scales: per-tensor and per-channel weight scales and per-token or
 per-tensor activation scales factor out of the K sum, so they are applied
@@ -115,41 +123,27 @@ def _outer(row_factor, column_factor, SCALAR_COLUMN: tl.constexpr):
     return row_factor[:, None] * column_factor[None, :]
 
 
-# Arguments that vary with the token count or only feed index arithmetic: not specialized,
-# so one compiled kernel serves every batch size and every model's scale layout.
-_RUNTIME_ONLY = ["num_pairs", "num_m_blocks", "a_row_divisor", "stride_asm", "stride_ask",
-                 "stride_bse", "stride_bsn", "stride_bsk", "group_n", "group_k"]
-
-
-@triton.jit(do_not_specialize=_RUNTIME_ONLY)
-def _grouped_gemm_kernel(
-    a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
-    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, num_pairs, num_m_blocks,
+@triton.jit
+def _gemm_tile(
+    tile, num_m_blocks,
+    a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+    N, K, num_pairs,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    group_n, group_k,
-    a_row_divisor,                     # top_k for GEMM1 (rows are tokens), 1 for GEMM2
-    WEIGHT_SCHEME: tl.constexpr,       # 0 none, 1 tensor, 2 channel, 3 block
-    PER_ROW_A_SCALE: tl.constexpr,     # a scale per row (token/group) or one scalar
-    SCALAR_B_SCALE: tl.constexpr,      # block scales: one weight scale per (N-tile, K step)
+    group_n, group_k, a_row_divisor,
+    WEIGHT_SCHEME: tl.constexpr, PER_ROW_A_SCALE: tl.constexpr, SCALAR_B_SCALE: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    TMA_B: tl.constexpr,               # b is a tensor descriptor of B as [E*N, K], else a pointer
-    RESCALE_ACC: tl.constexpr,         # block scales: acc kept in units of the step's scale (docstring)
+    GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr, TMA_B: tl.constexpr, RESCALE_ACC: tl.constexpr,
 ):
+    """One C tile: its K loop (or this program's split of it) and its epilogue."""
     # Grouped ordering: walk GROUP_SIZE_M M-blocks down a column of N-tiles before moving right.
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N, BLOCK_SIZE_N)
-    programs_per_group = GROUP_SIZE_M * num_n_blocks
-    first_m = (pid // programs_per_group) * GROUP_SIZE_M
+    tiles_per_group = GROUP_SIZE_M * tl.cdiv(N, BLOCK_SIZE_N)
+    first_m = (tile // tiles_per_group) * GROUP_SIZE_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % programs_per_group) % group_rows
-    pid_n = (pid % programs_per_group) // group_rows
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
 
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
-        return
     offs_sorted = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
     pairs = tl.load(sorted_token_ids_ptr + offs_sorted).to(tl.int64)
     pair_mask = pairs < num_pairs
@@ -228,6 +222,49 @@ def _grouped_gemm_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
 
 
+# Arguments that vary with the token count or only feed index arithmetic: not specialized,
+# so one compiled kernel serves every batch size and every model's scale layout.
+_RUNTIME_ONLY = ["num_pairs", "a_row_divisor", "stride_asm", "stride_ask",
+                 "stride_bse", "stride_bsn", "stride_bsk", "group_n", "group_k"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ONLY)
+def _grouped_gemm_kernel(
+    a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, num_pairs,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    group_n, group_k,
+    a_row_divisor,                     # top_k for GEMM1 (rows are tokens), 1 for GEMM2
+    WEIGHT_SCHEME: tl.constexpr,       # 0 none, 1 tensor, 2 channel, 3 block
+    PER_ROW_A_SCALE: tl.constexpr,     # a scale per row (token/group) or one scalar
+    SCALAR_B_SCALE: tl.constexpr,      # block scales: one weight scale per (N-tile, K step)
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    TMA_B: tl.constexpr,               # b is a tensor descriptor of B as [E*N, K], else a pointer
+    RESCALE_ACC: tl.constexpr,         # block scales: acc kept in units of the step's scale (docstring)
+    PERSISTENT: tl.constexpr,          # one program per SM walks the tiles (docstring), else one per tile
+):
+    # Only the M-blocks up to num_tokens_post_padded hold pairs. A grid of one program per tile runs
+    # this loop at most once (the rest of its worst-case grid not at all); a persistent grid walks
+    # the tiles, in a loop flattened with the K loop (docstring).
+    num_m_blocks = tl.load(num_tokens_post_padded_ptr) // BLOCK_SIZE_M
+    num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_SIZE_N)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        _gemm_tile(
+            tile, num_m_blocks,
+            a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+            N, K, num_pairs,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+            group_n, group_k, a_row_divisor,
+            WEIGHT_SCHEME, PER_ROW_A_SCALE, SCALAR_B_SCALE, MUL_ROUTED_WEIGHT,
+            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, SPLIT_K, TMA_B, RESCALE_ACC,
+        )
+
+
 def _scale_strides(scale: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
     """The first `ndim` strides of a scale tensor, 0 for the dims it lacks (broadcast)."""
     strides = tuple(scale.stride()) if scale is not None else ()
@@ -240,6 +277,15 @@ def _weight_descriptor(b: torch.Tensor, block_n: int, block_k: int) -> TensorDes
     if not b.is_contiguous() or (k * b.element_size()) % 16:
         raise ValueError(f"TMA_B needs contiguous expert weights with 16-byte rows, not {tuple(b.shape)} {b.dtype}")
     return TensorDescriptor(b, shape=[num_experts * n, k], strides=[k, 1], block_shape=[block_n, block_k])
+
+
+@functools.cache
+def _program_slots(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (on the CPU interpreter, a few, so that each walks
+    several tiles)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemm_output(num_pairs: int, n: int, dtype: torch.dtype, config: dict, device) -> torch.Tensor:
@@ -279,14 +325,15 @@ def invoke_grouped_gemm(
         raise ValueError(f"BLOCK_SIZE_K={block_k} must divide the quantization group {group_k}")
     if split_k > 1 and c.dtype != torch.float32:
         raise ValueError("with SPLIT_K > 1 the GEMM adds into C: it must be zeroed float32 (gemm_output)")
-    num_m_blocks = sorted_token_ids.shape[0] // block_m
-    grid = (num_m_blocks * triton.cdiv(n, block_n), split_k)
+    tiles = sorted_token_ids.shape[0] // block_m * triton.cdiv(n, block_n)  # worst case: no host sync
+    persistent = config.get("PERSISTENT", False)
+    grid = (min(tiles, _program_slots(a.device)) if persistent else tiles, split_k)
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if warmup else _grouped_gemm_kernel[grid]
     tma_b = config.get("TMA_B", False)
     launch(
         a, _weight_descriptor(b, block_n, block_k) if tma_b else b, c, a_scale, b_scale, topk_weights,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_pairs, num_m_blocks,
+        n, k, num_pairs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         *_scale_strides(a_scale, 2), *_scale_strides(b_scale, 3),
         group_n, group_k, a_row_divisor,
@@ -296,7 +343,7 @@ def invoke_grouped_gemm(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k,
         GROUP_SIZE_M=config["GROUP_SIZE_M"], SPLIT_K=split_k, TMA_B=tma_b,
-        RESCALE_ACC=quant.weight == "block" and config.get("RESCALE_ACC", False),
+        RESCALE_ACC=quant.weight == "block" and config.get("RESCALE_ACC", False), PERSISTENT=persistent,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 

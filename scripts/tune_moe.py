@@ -50,10 +50,10 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
     Few rows per expert (memory bound): BLOCK_M 16 or 32, narrow N tiles, deep
     pipelines and split-K, so that many programs stream weights at once.
     Many rows (compute bound): BLOCK_M 64-128, wide tiles, grouped ordering
-    and 8 warps for the big tiles. Weight tiles by pointers or TMA; BLOCK_K
-    dividing the 128 quantization group in block mode, and both ways of
-    applying block scales when compute bound; the pipeline stages within the
-    SM's shared memory. Pruned after a wider
+    and 8 warps for the big tiles, one program per tile or a persistent grid.
+    Weight tiles by pointers or TMA; BLOCK_K dividing the 128 quantization
+    group in block mode, and both ways of applying block scales when compute
+    bound; the pipeline stages within the SM's shared memory. Pruned after a wider
     first search on the H200 (Mixtral FP8 at T=1 and T=4096: docs/performance.md).
     """
     rows = rows_per_expert(shape, tokens)
@@ -69,16 +69,18 @@ def search_space(shape: Shape, tokens: int, quant: MoEQuantSpec) -> list[dict]:
         block_ks = (128,) if quant.is_fp8 else (64, 128)
         split_ks = (1,)
     group_ms = (8,) if rows >= 64 else (1,)
-    # Block scales: both ways of applying them where the tensor cores are busy (fused_moe.py).
+    # Where the tensor cores are busy: both ways of applying block scales, and a persistent grid
+    # (fused_moe.py).
     rescales = (False, True) if quant.weight == "block" and not memory_bound else (None,)
+    persistents = (False,) if memory_bound else (False, True)
     space = []
-    for m, n, k, g, s, split, tma in itertools.product(block_ms, block_ns, block_ks, group_ms, stages, split_ks,
-                                                       (False, True)):
+    for m, n, k, g, s, split, tma, persistent in itertools.product(block_ms, block_ns, block_ks, group_ms, stages,
+                                                                   split_ks, (False, True), persistents):
         if s * (m + n) * k * element_bytes > SHARED_MEMORY or (split > 1 and m > 16):
             continue
         for warps in (4, 8) if m * n >= 128 * 128 else (4,):
             config = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g,
-                          num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma)
+                          num_warps=warps, num_stages=s, SPLIT_K=split, TMA_B=tma, PERSISTENT=persistent)
             space += [config if rescale is None else dict(config, RESCALE_ACC=rescale) for rescale in rescales]
     return space
 

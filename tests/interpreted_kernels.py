@@ -28,9 +28,10 @@ SMALL = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, 
 # some programs a shorter (or empty) share of the K loop.
 SPLIT = dict(gemm1=dict(SMALL, SPLIT_K=3), gemm2=dict(SMALL, BLOCK_SIZE_N=16, SPLIT_K=2))
 TMA = dict(SMALL, TMA_B=True)  # the N tile runs past an expert's rows: into the next expert's, or off the end
+PERSISTENT = dict(SMALL, PERSISTENT=True)  # 3 programs walk all tiles (fused_moe._program_slots off the GPU)
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT, TMA], ids=["one-config", "split-k", "tma"])
+@pytest.mark.parametrize("config", [SMALL, SPLIT, TMA, PERSISTENT], ids=["one-config", "split-k", "tma", "persistent"])
 @pytest.mark.parametrize("shape", [(1, 64, 48, 4, 1), (19, 96, 40, 8, 3)])  # T, H, I, E, k; T*k not a multiple of 16
 def test_fused_experts_fp32(shape, config):
     p = random_problem(*shape)
@@ -51,6 +52,8 @@ FP8_CONFIGS = {
     # Block scales applied by rescaling the accumulator (other modes ignore RESCALE_ACC).
     "n64-rescale": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, RESCALE_ACC=True),
     "n256-rescale-split-k": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, SPLIT_K=3, RESCALE_ACC=True),
+    "n64-tma-persistent": dict(SMALL, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, TMA_B=True, PERSISTENT=True),
+    "n256-rescale-persistent": dict(SMALL, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, RESCALE_ACC=True, PERSISTENT=True),
 }
 
 

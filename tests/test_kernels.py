@@ -152,6 +152,7 @@ def test_tuner_search_space(shape_key, tokens):
         rows = tokens * shape.top_k / shape.experts
         rescales = {c.get("RESCALE_ACC") for c in space}
         assert rescales == ({False, True} if quant.weight == "block" and rows > 16 else {None}), mode
+        assert {c["PERSISTENT"] for c in space} == ({False, True} if rows > 16 else {False}), mode
         assert (min(block_ms) == 16) == (rows <= 64) and (max(block_ms) == 128) == (rows >= 64)
 
 

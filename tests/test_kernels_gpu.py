@@ -31,7 +31,8 @@ SHAPES = [
 FP8_TOLERANCE = 3.5e-2
 # Launch configs the tuner may pick beside the shipped ones: split-K on both GEMMs (a per-GEMM entry),
 # a block-scale N tile inside one 128 group (one scale per K step) and one wider (a scale per column),
-# weight tiles through TMA (N tiles running into the next expert's rows), alone and with split-K.
+# weight tiles through TMA (N tiles running into the next expert's rows), alone and with split-K, and a
+# persistent grid.
 _BASE = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
 VARIANTS = {
     "split-k": dict(gemm1=dict(_BASE, SPLIT_K=4), gemm2=dict(_BASE, BLOCK_SIZE_N=32, SPLIT_K=3)),
@@ -44,6 +45,10 @@ VARIANTS = {
                     RESCALE_ACC=True),
     "rescale-n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8,
                          num_stages=3, RESCALE_ACC=True),
+    # A persistent grid: each program walks several tiles, with and without TMA.
+    "persistent": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_stages=3, PERSISTENT=True),
+    "persistent-tma-n256": dict(_BASE, BLOCK_SIZE_M=64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8,
+                                num_stages=3, TMA_B=True, PERSISTENT=True),
 }
 
 
