@@ -12,9 +12,9 @@ median (a shared machine's disk and page cache vary from run to run).
         --memory /work/bench-data/mixtral-n8 --out /work/bench-data/out
     python scripts/bench_quantize.py CKPT --device cuda --disk-rate     # on a GPU machine
 
---disk-rate writes as many bytes as our output with a plain `dd` (with fsync,
-and direct), and prints each scheme's median output rate as a share of what
-the disk sustains (the faster of the two).
+--disk-rate writes as many bytes as our output with plain `dd`s (one with
+fsync, one direct, four direct at once), and prints each scheme's median
+output rate as a share of what the disk sustains (the fastest of the three).
 """
 
 from __future__ import annotations
@@ -79,19 +79,26 @@ def ours(src: Path, dst: Path, scheme: str, device: str, workers: int) -> list[s
     return [sys.executable, "-c", OURS_SNIPPET, str(src), str(dst), scheme, device, str(workers)]
 
 
-DD_MODES = {"with fsync": ["conv=fsync"], "direct": ["oflag=direct"]}
+DD_BLOCK_BYTES = 64 << 20
+# (flags, parallel streams): one stream flushed at the end, one written direct, and four direct streams
+# into four files at once (a disk behind a queue of requests may take more than one stream gives it).
+DD_MODES = {"with fsync": (["conv=fsync"], 1), "direct": (["oflag=direct"], 1), "direct, 4 streams": (["oflag=direct"], 4)}
 
 
-def disk_rate(dst: Path, nbytes: int, flags: list[str]) -> float:
-    """GB/s of a plain sequential write of `nbytes` into `dst` by `dd` with `flags`."""
-    target = dst / "dd.bin"
-    command = ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={-(-nbytes // (64 << 20))}", *flags]
+def disk_rate(dst: Path, nbytes: int, flags: list[str], streams: int) -> float:
+    """GB/s of plain sequential writes of `nbytes` in all into `dst` by `streams` `dd`s at once, with `flags`."""
+    blocks = -(-nbytes // (DD_BLOCK_BYTES * streams))
+    targets = [dst / f"dd-{i}.bin" for i in range(streams)]
     os.sync()
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
+    writers = [subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", f"bs={DD_BLOCK_BYTES}", f"count={blocks}",
+                                 *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for target in targets]
+    if any(writer.wait() for writer in writers):
+        raise SystemExit(f"dd into {dst} failed")
     seconds = time.perf_counter() - start
-    target.unlink()
-    return nbytes / seconds / 1e9
+    for target in targets:
+        target.unlink()
+    return blocks * DD_BLOCK_BYTES * streams / seconds / 1e9
 
 
 def main() -> None:
@@ -159,7 +166,7 @@ def main() -> None:
     if args.disk_rate:
         args.out.mkdir(parents=True, exist_ok=True)
         nbytes = max(output_bytes.values())
-        rates = {mode: disk_rate(args.out, nbytes, flags) for mode, flags in DD_MODES.items()}
+        rates = {mode: disk_rate(args.out, nbytes, *how) for mode, how in DD_MODES.items()}
         for mode, rate in rates.items():
             print(f"dd of {nbytes / 1e9:.2f} GB {mode}: {rate:.2f} GB/s")
         sustained = max(rates.values())
