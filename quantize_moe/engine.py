@@ -30,6 +30,7 @@ place all the same.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import Counter
@@ -44,7 +45,7 @@ from quantize_moe import fp8
 from quantize_moe.digests import shard_digest
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Plan, WorkItem
-from quantize_moe.tensor_files import ShardFile, data_offsets, read_into
+from quantize_moe.tensor_files import DIRECT_ALIGNMENT, ShardFile, data_offsets, placed, read_into
 
 # A GPU worker spends most of an item writing and waiting for the disk (quantizing takes milliseconds),
 # so a device gets enough workers to keep several writes in flight: on an H200 machine, 6 workers wrote a
@@ -118,9 +119,16 @@ class Worker:
         if self.stream is not None:
             self.inputs[:nbytes].copy_(self.host_inputs[:nbytes], non_blocking=True)
 
-    def download(self, nbytes: int) -> None:
+    def output_views(self, host_views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where to quantize into: the host views themselves on the CPU, the same shapes on the GPU."""
+        if self.stream is None:
+            return host_views
+        return _views(self.outputs, [(v.dtype, v.shape) for v in host_views])
+
+    def download(self, outputs: list[torch.Tensor], host_views: list[torch.Tensor]) -> None:
         if self.stream is not None:
-            self.host_outputs[:nbytes].copy_(self.outputs[:nbytes], non_blocking=True)
+            for output, host in zip(outputs, host_views):
+                host.copy_(output, non_blocking=True)
             self.stream.synchronize()
 
 
@@ -129,15 +137,15 @@ def _cuda_backend():
     return cuda_quant
 
 
-def _views(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
-    """Consecutive typed views of a flat byte buffer, one per (dtype, shape)."""
+def _views(buffer: torch.Tensor, specs, file_offsets: list[int] | None = None) -> list[torch.Tensor]:
+    """Consecutive typed views of a flat byte buffer, one per (dtype, shape); with `file_offsets`, each
+    lined up with where it goes in its file (`placed`, DIRECT_ALIGNMENT bytes to spare per view)."""
     views, offset = [], 0
-    for dtype, shape in specs:
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        views.append(buffer[offset:offset + n].view(dtype).reshape(shape))
-        offset += n
+    for i, (dtype, shape) in enumerate(specs):
+        n = dtype.itemsize * math.prod(shape)
+        view = buffer[offset:offset + n] if file_offsets is None else placed(buffer, offset, n, file_offsets[i])
+        views.append(view.view(dtype).reshape(shape))
+        offset = view.storage_offset() - buffer.storage_offset() + n
     return views
 
 
@@ -254,16 +262,18 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
     for host_view, info in zip(_views(worker.host_inputs, [(i.dtype, i.shape) for i in infos]), infos):
         read_into(*sources.fd_and_offset(info.name), host_view)
     weight_outs, scale_outs = item.outputs[0::2], item.outputs[1::2]
-    out_specs = [(o.dtype, o.shape) for o in weight_outs]
+    # Quantized weights land in host memory lined up with their place in the shard: written direct.
+    host_views = _views(worker.host_outputs, [(o.dtype, o.shape) for o in weight_outs],
+                        [shard.offsets[o.name] for o in weight_outs])
     with worker.stream_context():
         worker.upload(sum(i.nbytes for i in infos))
         weights = _views(worker.inputs, [(i.dtype, i.shape) for i in infos])
-        scales = plan.scheme.quantize_group_into(list(zip(item.sources, weights)), _views(worker.outputs, out_specs),
+        outputs = worker.output_views(host_views)
+        scales = plan.scheme.quantize_group_into(list(zip(item.sources, weights)), outputs,
                                                  backend=worker.backend, scale_dtype=scale_outs[0].dtype)
         scales = [s.reshape(o.shape).to("cpu", o.dtype, non_blocking=True) for s, o in zip(scales, scale_outs)]
-        worker.download(sum(o.nbytes for o in weight_outs))
-    for q, scale, weight_out, scale_out in zip(_views(worker.host_outputs, out_specs), scales, weight_outs,
-                                               scale_outs):
+        worker.download(outputs, host_views)
+    for q, scale, weight_out, scale_out in zip(host_views, scales, weight_outs, scale_outs):
         shard.write(weight_out.name, q)
         shard.write(scale_out.name, scale)
 
@@ -276,7 +286,7 @@ def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, ski
     todo = [item for name, items in zip(plan.shard_names, plan.shards) if name not in skip for item in items]
     quantized = [item for item in todo if item.quantize]
     input_bytes = max((item.input_bytes for item in quantized), default=0)
-    output_bytes = max((sum(o.nbytes for o in item.outputs[0::2]) for item in quantized), default=0)
+    output_bytes = max((sum(o.nbytes + DIRECT_ALIGNMENT for o in item.outputs[0::2]) for item in quantized), default=0)
     pool = [Worker(devices[i % len(devices)], input_bytes, output_bytes) for i in range(workers)]
     sources, shards = Sources(plan), OutputShards(plan, dst, on_shard_finished)
     items = iter(todo)

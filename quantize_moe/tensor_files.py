@@ -4,11 +4,20 @@ The engine never holds a whole shard. It reads each source tensor with one
 `pread` into a buffer it reuses, and writes an output shard in two steps: the
 shard is laid out (safetensors' own header, then a data region of the right
 size that is allocated but never written), then each tensor's bytes are written
-into their place as soon as they exist, and written behind (`written_behind`):
-put on disk and dropped from the page cache at once. Only the real bytes are
-ever written, once; allocating the region up front (`fallocate`) makes those
-writes about twice as fast as filling a hole, and a full disk fails before any
-work.
+into their place as soon as they exist. Only the real bytes are ever written,
+once; allocating the region up front (`fallocate`) makes those writes about
+twice as fast as filling a hole, and a full disk fails before any work.
+
+A large tensor goes to the disk without the page cache (`O_DIRECT`): its whole
+pages straight from the caller's buffer, the few bytes before its first page
+boundary and after its last through the page cache. That needs the bytes in
+memory to line up with their place in the file (`placed`), which the engine
+arranges for the buffers it quantizes into. Several workers writing direct keep
+several requests in flight, which a virtual disk needs to reach its rate
+(here, 4 GiB into one file: 3.4 GB/s from 3 threads written direct, 2.2 GB/s
+through the page cache). Where the file system refuses `O_DIRECT` or the bytes
+do not line up, a tensor is written through the page cache and written behind
+(`written_behind`): put on disk and dropped from the page cache at once.
 
 safetensors' serializer only writes whole files, so the header is assembled
 here from what the serializer says about one-element stand-ins
@@ -75,6 +84,8 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4  # <linux/fs.h> SYNC_FILE_RANGE_*
 WRITE_BEHIND_MIN_BYTES = 1 << 20  # smaller writes (scales) are left to the kernel
+DIRECT_MIN_BYTES = 1 << 20  # smaller tensors go through the page cache
+DIRECT_ALIGNMENT = 4096  # O_DIRECT: offsets, lengths and addresses in whole pages (a page spans any block size)
 
 
 def allocate(fd: int, size: int, path: Path) -> None:
@@ -153,10 +164,6 @@ def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
-    write_all_at(fd, offset, _as_bytes(tensor))
-
-
 def write_all_at(fd: int, offset: int, view: memoryview | bytes) -> None:
     view = memoryview(view)
     while view:
@@ -164,22 +171,23 @@ def write_all_at(fd: int, offset: int, view: memoryview | bytes) -> None:
         view, offset = view[n:], offset + n
 
 
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int,
-               check: Callable[[torch.Tensor], None] | None = None) -> bytes:
-    """Copy bytes file to file through a bounded buffer; `check` sees each chunk on the way. Returns
-    the sha256 of the bytes."""
-    digest = hashlib.sha256()
-    buffer = torch.empty(min(count, COPY_BUFFER_BYTES), dtype=torch.uint8)
-    while count:
-        chunk = buffer[:min(count, len(buffer))]
-        read_into(src_fd, src_offset, chunk)
-        if check is not None:
-            check(chunk)
-        write_at(dst_fd, dst_offset, chunk)
-        with written_behind(dst_fd, dst_offset, len(chunk)):
-            digest.update(_as_bytes(chunk))
-        src_offset, dst_offset, count = src_offset + len(chunk), dst_offset + len(chunk), count - len(chunk)
-    return digest.digest()
+def placed(buffer: torch.Tensor, start: int, nbytes: int, file_offset: int) -> torch.Tensor:
+    """`nbytes` of the flat byte tensor `buffer`, from `start` or at most DIRECT_ALIGNMENT - 1 bytes
+    past it, lined up with a file offset: their address and `file_offset` are equal modulo
+    DIRECT_ALIGNMENT, so the whole pages of a tensor written there can go to the disk direct."""
+    begin = start + (file_offset - buffer.data_ptr() - start) % DIRECT_ALIGNMENT
+    return buffer[begin:begin + nbytes]
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of `path` that writes around the page cache, or None where the file
+    system does not offer that (tmpfs, say)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return None
+        raise OSError(error.errno, error.strerror, str(path)) from None
 
 
 class ShardFile:
@@ -197,25 +205,59 @@ class ShardFile:
         write_all_at(self.fd, 0, header)
         allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
         self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
+        self.direct_fd = _open_direct(self.partial)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        view = _as_bytes(tensor)
-        write_all_at(self.fd, self.offsets[name], view)
-        with written_behind(self.fd, self.offsets[name], len(view)):
-            self.tensor_sha256[name] = hashlib.sha256(view).digest()
+        with self._writing(self.offsets[name], tensor.view(-1).view(torch.uint8)):
+            self.tensor_sha256[name] = hashlib.sha256(_as_bytes(tensor)).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:
-        self.tensor_sha256[name] = copy_range(src_fd, src_offset, self.fd, self.offsets[name], count, check)
+        """Copy tensor `name` from another file through a bounded buffer; `check` sees each chunk."""
+        digest, offset = hashlib.sha256(), self.offsets[name]
+        size = min(count, COPY_BUFFER_BYTES)  # a multiple of DIRECT_ALIGNMENT when there are several chunks
+        buffer = placed(torch.empty(size + DIRECT_ALIGNMENT, dtype=torch.uint8), 0, size, offset)
+        while count:
+            chunk = buffer[:min(count, size)]
+            read_into(src_fd, src_offset, chunk)
+            if check is not None:
+                check(chunk)
+            with self._writing(offset, chunk):
+                digest.update(_as_bytes(chunk))
+            src_offset, offset, count = src_offset + len(chunk), offset + len(chunk), count - len(chunk)
+        self.tensor_sha256[name] = digest.digest()
+
+    @contextmanager
+    def _writing(self, offset: int, data: torch.Tensor):
+        """Around work that needs no disk (hashing `data`): write the bytes `data` at `offset`, their
+        whole pages direct where they line up (`placed`), else all of them written behind."""
+        view, count = _as_bytes(data), len(data)
+        head = -offset % DIRECT_ALIGNMENT
+        body = max(0, count - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+        if (self.direct_fd is None or count < DIRECT_MIN_BYTES or body == 0
+                or (data.data_ptr() + head) % DIRECT_ALIGNMENT):
+            write_all_at(self.fd, offset, view)
+            with written_behind(self.fd, offset, count):
+                yield
+            return
+        write_all_at(self.fd, offset, view[:head])
+        write_all_at(self.fd, offset + head + body, view[head + body:])
+        write_all_at(self.direct_fd, offset + head, view[head:head + body])
+        yield
 
     def tensor_sha256s(self) -> list[bytes]:
         """The sha256 of every tensor, in file order (all of them must have been written)."""
         return [self.tensor_sha256[name] for name in self.offsets]
 
     def finish(self) -> None:
-        os.close(self.fd)
+        self._close()
         os.replace(self.partial, self.path)
 
     def abort(self) -> None:
-        os.close(self.fd)
+        self._close()
         self.partial.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        os.close(self.fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)

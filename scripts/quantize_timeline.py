@@ -29,8 +29,9 @@ from quantize_moe.plan import Options  # noqa: E402
 
 IMPORTED = time.perf_counter()
 WRAPPED = [(orchestrator, "make_plan"), (orchestrator, "check_free_space"), (orchestrator, "copy_extra_files"),
-           (engine, "Worker"), (engine, "process"), (engine, "read_into"), (tensor_files, "copy_range"),
-           (tensor_files.ShardFile, "write"), (manifest.Manifest, "record"), (manifest.Manifest, "finish")]
+           (engine, "Worker"), (engine, "process"), (engine, "read_into"), (tensor_files.ShardFile, "copy_from"),
+           (tensor_files.ShardFile, "write"), (tensor_files, "write_all_at"), (manifest.Manifest, "record"),
+           (manifest.Manifest, "finish")]
 WRAPPED_CONTEXTS = [(tensor_files, "written_behind")]  # timed from entering the with-block to leaving it
 
 

@@ -43,6 +43,65 @@ def test_shard_file_filled_in_place_equals_save_file(tmp_path, monkeypatch, writ
     assert (tmp_path / "in-place.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
+def direct_writes(monkeypatch) -> list[tuple[int, int]]:
+    """Record (offset, byte count) of every write made around the page cache, from now on; skip
+    the test where this file system does not offer that."""
+    descriptors, writes = set(), []
+    open_direct, write_all_at = tensor_files._open_direct, tensor_files.write_all_at
+
+    def recording_open(path):
+        fd = open_direct(path)
+        if fd is None:
+            pytest.skip("the file system of the test folder has no O_DIRECT")
+        descriptors.add(fd)
+        return fd
+
+    def recording_write(fd, offset, view):
+        if fd in descriptors:
+            writes.append((offset, len(view)))
+        write_all_at(fd, offset, view)
+
+    monkeypatch.setattr(tensor_files, "_open_direct", recording_open)
+    monkeypatch.setattr(tensor_files, "write_all_at", recording_write)
+    return writes
+
+
+def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkeypatch):
+    writes = direct_writes(monkeypatch)
+    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(tensor_files, "COPY_BUFFER_BYTES", 2 * tensor_files.DIRECT_ALIGNMENT)  # copies in chunks
+    page = tensor_files.DIRECT_ALIGNMENT
+    tensors = {"a.weight": torch.randn(3 * page + 77).to(fp8.FP8_DTYPE),  # lined up below: written direct
+               "b.weight": torch.randn(2 * page + 5).to(fp8.FP8_DTYPE),  # not lined up: through the page cache
+               "c.bias": torch.randn(page + 3, dtype=torch.bfloat16),  # copied from a file, in chunks
+               "d.weight_scale": torch.tensor([0.5, 2.0])}
+    shard = ShardFile(tmp_path / "out.safetensors", [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    buffer = torch.empty(tensors["a.weight"].nbytes + page, dtype=torch.uint8)
+    lined_up = tensor_files.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
+    lined_up.copy_(tensors["a.weight"].view(torch.uint8))
+    shard.write("a.weight", lined_up.view(fp8.FP8_DTYPE))
+    a_writes = list(writes)
+    unaligned = torch.empty(tensors["b.weight"].nbytes + page, dtype=torch.uint8)
+    unaligned = unaligned[(shard.offsets["b.weight"] - unaligned.data_ptr() + 1) % page:][:tensors["b.weight"].nbytes]
+    unaligned.copy_(tensors["b.weight"].view(torch.uint8))
+    shard.write("b.weight", unaligned.view(fp8.FP8_DTYPE))
+    assert writes == a_writes
+    save_file({"c.bias": tensors["c.bias"]}, tmp_path / "src.safetensors")
+    source_offset = data_offsets(tmp_path / "src.safetensors", {"c.bias": tensors["c.bias"].nbytes})["c.bias"]
+    with open(tmp_path / "src.safetensors", "rb") as source:
+        shard.copy_from("c.bias", source.fileno(), source_offset, tensors["c.bias"].nbytes)
+    shard.write("d.weight_scale", tensors["d.weight_scale"])
+    shard.finish()
+
+    assert a_writes and writes[len(a_writes):], "a.weight and c.bias went (partly) direct"
+    for offset, count in writes:
+        assert offset % page == 0 and count % page == 0 and count > 0
+    a_head = -shard.offsets["a.weight"] % page  # the bytes before its first page boundary
+    assert a_writes == [(shard.offsets["a.weight"] + a_head, (tensors["a.weight"].nbytes - a_head) // page * page)]
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
 # Same-size dtypes in both orders (bf16/f16, fp8/int8/bool) and every width, to pin safetensors' data order.
 HEADER_DTYPES = [torch.float32, torch.bfloat16, torch.float16, fp8.FP8_DTYPE, torch.int8, torch.uint8, torch.bool,
                  torch.int64, torch.int32, torch.float64]
@@ -97,15 +156,23 @@ def test_data_offsets_locate_every_tensor(tiny_checkpoint):
                 assert torch.equal(read, checkpoint.get(name)), name
 
 
-def test_writing_behind_changes_no_byte(tiny_checkpoint, tmp_path, monkeypatch):
-    src = tiny_checkpoint("mixtral")
+def test_writing_behind_or_direct_changes_no_byte(block_friendly, tmp_path, monkeypatch):
+    src = block_friendly("mixtral")
     outputs = []
-    for write_behind_from in (tensor_files.WRITE_BEHIND_MIN_BYTES, 1):  # 1: every write and copy behind
-        monkeypatch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", write_behind_from)
-        dst = tmp_path / f"from-{write_behind_from}"
-        quantize_checkpoint(src, dst, Options(max_shard_size=SMALL_SHARDS), show_progress=False)
+    for how in ("defaults", "every write behind", "every write direct"):
+        with monkeypatch.context() as patch:
+            if how == "every write behind":
+                patch.setattr(tensor_files, "DIRECT_MIN_BYTES", 1 << 62)
+                patch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", 1)
+            if how == "every write direct":
+                writes = direct_writes(patch)
+                patch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
+            dst = tmp_path / how
+            quantize_checkpoint(src, dst, Options(max_shard_size=SMALL_SHARDS), workers=2, show_progress=False)
         outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
-    assert len(outputs[0]) > 3 and outputs[0] == outputs[1]
+    # The quantized weights were lined up with their place in the shard by the engine, and written direct.
+    assert sum(count for _, count in writes) > 0.8 * sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    assert len(outputs[0]) > 3 and outputs[0] == outputs[1] == outputs[2]
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
