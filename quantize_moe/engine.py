@@ -3,7 +3,9 @@
 Each worker takes the next work item in plan order, reads its sources with one
 `pread` each into a buffer it owns, quantizes them on its device (the scheme
 calls `fp8` on the CPU, `cuda_quant` on a GPU) into an output buffer it owns,
-and writes the results in place into their output shard (`ShardFile`). While
+and writes the results in place into their output shard (`ShardFile`); the
+quantized weights sit in that buffer lined up with their place in the shard,
+so they are written direct, around the page cache. While
 one worker quantizes, another reads or writes, so disk, memory copies and
 arithmetic overlap, and the CPU path uses every core.
 
