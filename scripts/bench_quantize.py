@@ -82,7 +82,8 @@ def ours(src: Path, dst: Path, scheme: str, device: str, workers: int) -> list[s
 DD_BLOCK_BYTES = 64 << 20
 # (flags, parallel streams): one stream flushed at the end, one written direct, and four direct streams
 # into four files at once (a disk behind a queue of requests may take more than one stream gives it).
-DD_MODES = {"with fsync": (["conv=fsync"], 1), "direct": (["oflag=direct"], 1), "direct, 4 streams": (["oflag=direct"], 4)}
+DD_MODES = {"with fsync": (["conv=fsync"], 1), "direct": (["oflag=direct"], 1),
+            "direct, 4 streams": (["oflag=direct"], 4)}
 
 
 def disk_rate(dst: Path, nbytes: int, flags: list[str], streams: int) -> float:

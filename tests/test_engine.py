@@ -75,7 +75,8 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
                "b.weight": torch.randn(2 * page + 5).to(fp8.FP8_DTYPE),  # not lined up: through the page cache
                "c.bias": torch.randn(page + 3, dtype=torch.bfloat16),  # copied from a file, in chunks
                "d.weight_scale": torch.tensor([0.5, 2.0])}
-    shard = ShardFile(tmp_path / "out.safetensors", [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    shard = ShardFile(tmp_path / "out.safetensors",
+                      [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     buffer = torch.empty(tensors["a.weight"].nbytes + page, dtype=torch.uint8)
     lined_up = tensor_files.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
     lined_up.copy_(tensors["a.weight"].view(torch.uint8))
