@@ -123,9 +123,113 @@ def _outer(row_factor, column_factor, SCALAR_COLUMN: tl.constexpr):
     return row_factor[:, None] * column_factor[None, :]
 
 
+@triton.jit
+def _tile_position(tile, num_m_blocks, N, BLOCK_SIZE_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    """(M-block, N-tile) of a tile number, in grouped ordering: GROUP_SIZE_M M-blocks down a column
+    of N-tiles before moving right."""
+    tiles_per_group = GROUP_SIZE_M * tl.cdiv(N, BLOCK_SIZE_N)
+    first_m = (tile // tiles_per_group) * GROUP_SIZE_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_SIZE_M)
+    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
+
+
+@triton.jit
+def _gemm_tile(
+    pid_m, pid_n, tensors, sizes, strides,
+    WEIGHT_SCHEME: tl.constexpr, PER_ROW_A_SCALE: tl.constexpr, SCALAR_B_SCALE: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, TMA_B: tl.constexpr, RESCALE_ACC: tl.constexpr,
+):
+    """One C tile: its K loop (or this program's split of it), scales, router weight and store."""
+    a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr = tensors
+    N, K, num_pairs, group_n, group_k, a_row_divisor = sizes
+    (stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk) = strides
+
+    offs_sorted = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
+    pairs = tl.load(sorted_token_ids_ptr + offs_sorted).to(tl.int64)
+    pair_mask = pairs < num_pairs
+    a_rows = pairs // a_row_divisor
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    # This program's share of the K loop (all of it without split-K).
+    num_k_steps = tl.cdiv(K, BLOCK_SIZE_K)
+    steps_per_split = tl.cdiv(num_k_steps, SPLIT_K)
+    first_step = tl.program_id(1) * steps_per_split
+    last_step = tl.minimum(first_step + steps_per_split, num_k_steps)
+
+    # Columns past N wrap around (always in bounds); the store masks them out. (TMA loads instead read
+    # the next expert's rows, or zeros past the last: masked out the same way.)
+    offs_n = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    first_k = first_step * BLOCK_SIZE_K
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (first_k + offs_k[None, :]) * stride_ak
+    if TMA_B:
+        b_row = (expert * N + pid_n * BLOCK_SIZE_N).to(tl.int32)
+    else:
+        b_ptrs = (b + expert * stride_be + offs_n[None, :] * stride_bn
+                  + (first_k + offs_k[:, None]) * stride_bk)
+
+    if WEIGHT_SCHEME == 3:
+        a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+        if SCALAR_B_SCALE:
+            b_scale_ptrs = (b_scale_ptr + expert * stride_bse
+                            + (pid_n * BLOCK_SIZE_N // group_n) * stride_bsn)
+        else:
+            b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
+
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if WEIGHT_SCHEME == 3 and RESCALE_ACC:  # the scales acc is in units of (its first step's: any would do for 0)
+        last_a_scale, last_b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs,
+                                                   tl.minimum(first_step, num_k_steps - 1), pair_mask,
+                                                   stride_ask, stride_bsk, group_k, BLOCK_SIZE_K)
+    for k_step in range(first_step, last_step):
+        k_left = K - k_step * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        if TMA_B:
+            b_tile = b.load([b_row, k_step * BLOCK_SIZE_K]).T
+        else:
+            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b_ptrs += BLOCK_SIZE_K * stride_bk
+        if WEIGHT_SCHEME == 3:
+            a_scale, b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs, k_step, pair_mask, stride_ask,
+                                             stride_bsk, group_k, BLOCK_SIZE_K)
+        if WEIGHT_SCHEME == 3 and not RESCALE_ACC:  # this step's product scaled, then added
+            acc += tl.dot(a, b_tile) * _outer(a_scale, b_scale, SCALAR_B_SCALE)
+        else:
+            if WEIGHT_SCHEME == 3:  # acc into units of this step's scale (see the docstring)
+                acc = acc * _outer(last_a_scale / a_scale, last_b_scale / b_scale, SCALAR_B_SCALE)
+                last_a_scale, last_b_scale = a_scale, b_scale
+            acc = tl.dot(a, b_tile, acc)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+
+    if WEIGHT_SCHEME == 3 and RESCALE_ACC:
+        acc = acc * _outer(last_a_scale, last_b_scale, SCALAR_B_SCALE)
+    if WEIGHT_SCHEME == 1 or WEIGHT_SCHEME == 2:
+        if PER_ROW_A_SCALE:
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_asm, mask=pair_mask, other=0.0)[:, None]
+        else:
+            a_scale = tl.load(a_scale_ptr)
+        if WEIGHT_SCHEME == 1:
+            b_scale = tl.load(b_scale_ptr + expert * stride_bse)
+        else:
+            b_scale = tl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn)[None, :]
+        acc = acc * a_scale * b_scale
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
+
+    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_mask = pair_mask[:, None] & (offs_cn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+
+
 # Arguments that vary with the token count or only feed index arithmetic: not specialized,
 # so one compiled kernel serves every batch size and every model's scale layout.
-_RUNTIME_ONLY = ["num_pairs", "a_row_divisor", "stride_asm", "stride_ask",
+_RUNTIME_ONLY = ["num_pairs", "num_m_blocks", "a_row_divisor", "stride_asm", "stride_ask",
                  "stride_bse", "stride_bsn", "stride_bsk", "group_n", "group_k"]
 
 
@@ -133,7 +237,7 @@ _RUNTIME_ONLY = ["num_pairs", "a_row_divisor", "stride_asm", "stride_ask",
 def _grouped_gemm_kernel(
     a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, num_pairs,
+    N, K, num_pairs, num_m_blocks,     # num_m_blocks: the worst case, for a grid sized without a host sync
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     group_n, group_k,
@@ -148,99 +252,24 @@ def _grouped_gemm_kernel(
     RESCALE_ACC: tl.constexpr,         # block scales: acc kept in units of the step's scale (docstring)
     PERSISTENT: tl.constexpr,          # one program per SM walks the tiles (docstring), else one per tile
 ):
-    # Only the M-blocks up to num_tokens_post_padded hold pairs. A grid of one program per tile runs
-    # this loop at most once (the rest of its worst-case grid not at all); a persistent grid walks
-    # the tiles, in a loop flattened with the K loop (docstring).
-    num_m_blocks = tl.load(num_tokens_post_padded_ptr) // BLOCK_SIZE_M
-    num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_SIZE_N)
-    tiles_per_group = GROUP_SIZE_M * tl.cdiv(N, BLOCK_SIZE_N)
-
-    # This program's share of every tile's K loop (all of it without split-K).
-    num_k_steps = tl.cdiv(K, BLOCK_SIZE_K)
-    steps_per_split = tl.cdiv(num_k_steps, SPLIT_K)
-    first_step = tl.program_id(1) * steps_per_split
-    last_step = tl.minimum(first_step + steps_per_split, num_k_steps)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    first_k = first_step * BLOCK_SIZE_K
-
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
-        # Grouped ordering: walk GROUP_SIZE_M M-blocks down a column of N-tiles before moving right.
-        first_m = (tile // tiles_per_group) * GROUP_SIZE_M
-        group_rows = tl.minimum(num_m_blocks - first_m, GROUP_SIZE_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
-
-        offs_sorted = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
-        pairs = tl.load(sorted_token_ids_ptr + offs_sorted).to(tl.int64)
-        pair_mask = pairs < num_pairs
-        a_rows = pairs // a_row_divisor
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-
-        # Columns past N wrap around (always in bounds); the store masks them out. (TMA loads instead read
-        # the next expert's rows, or zeros past the last: masked out the same way.)
-        offs_n = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (first_k + offs_k[None, :]) * stride_ak
-        if TMA_B:
-            b_row = (expert * N + pid_n * BLOCK_SIZE_N).to(tl.int32)
-        else:
-            b_ptrs = (b + expert * stride_be + offs_n[None, :] * stride_bn
-                      + (first_k + offs_k[:, None]) * stride_bk)
-
-        if WEIGHT_SCHEME == 3:
-            a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
-            if SCALAR_B_SCALE:
-                b_scale_ptrs = (b_scale_ptr + expert * stride_bse
-                                + (pid_n * BLOCK_SIZE_N // group_n) * stride_bsn)
-            else:
-                b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
-
-        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        if WEIGHT_SCHEME == 3 and RESCALE_ACC:  # the scales acc is in units of (its first step's: any would do for 0)
-            last_a_scale, last_b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs,
-                                                       tl.minimum(first_step, num_k_steps - 1), pair_mask,
-                                                       stride_ask, stride_bsk, group_k, BLOCK_SIZE_K)
-        for k_step in range(first_step, last_step):
-            k_left = K - k_step * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if TMA_B:
-                b_tile = b.load([b_row, k_step * BLOCK_SIZE_K]).T
-            else:
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                b_ptrs += BLOCK_SIZE_K * stride_bk
-            if WEIGHT_SCHEME == 3:
-                a_scale, b_scale = _block_scales(a_scale_ptrs, b_scale_ptrs, k_step, pair_mask, stride_ask,
-                                                 stride_bsk, group_k, BLOCK_SIZE_K)
-            if WEIGHT_SCHEME == 3 and not RESCALE_ACC:  # this step's product scaled, then added
-                acc += tl.dot(a, b_tile) * _outer(a_scale, b_scale, SCALAR_B_SCALE)
-            else:
-                if WEIGHT_SCHEME == 3:  # acc into units of this step's scale (see the docstring)
-                    acc = acc * _outer(last_a_scale / a_scale, last_b_scale / b_scale, SCALAR_B_SCALE)
-                    last_a_scale, last_b_scale = a_scale, b_scale
-                acc = tl.dot(a, b_tile, acc)
-            a_ptrs += BLOCK_SIZE_K * stride_ak
-
-        if WEIGHT_SCHEME == 3 and RESCALE_ACC:
-            acc = acc * _outer(last_a_scale, last_b_scale, SCALAR_B_SCALE)
-        if WEIGHT_SCHEME == 1 or WEIGHT_SCHEME == 2:
-            if PER_ROW_A_SCALE:
-                a_scale = tl.load(a_scale_ptr + a_rows * stride_asm, mask=pair_mask, other=0.0)[:, None]
-            else:
-                a_scale = tl.load(a_scale_ptr)
-            if WEIGHT_SCHEME == 1:
-                b_scale = tl.load(b_scale_ptr + expert * stride_bse)
-            else:
-                b_scale = tl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn)[None, :]
-            acc = acc * a_scale * b_scale
-        if MUL_ROUTED_WEIGHT:
-            acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-
-        offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-        c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-        c_mask = pair_mask[:, None] & (offs_cn[None, :] < N)
-        if SPLIT_K == 1:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        else:
-            tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    tensors = (a_ptr, b, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr)
+    sizes = (N, K, num_pairs, group_n, group_k, a_row_divisor)
+    strides = (stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk)
+    if PERSISTENT:
+        # Walk the tiles of the M-blocks that hold pairs, in a loop flattened with the K loop.
+        num_m_blocks = tl.load(num_tokens_post_padded_ptr) // BLOCK_SIZE_M
+        for tile in tl.range(tl.program_id(0), num_m_blocks * tl.cdiv(N, BLOCK_SIZE_N), tl.num_programs(0),
+                             flatten=True):
+            pid_m, pid_n = _tile_position(tile, num_m_blocks, N, BLOCK_SIZE_N, GROUP_SIZE_M)
+            _gemm_tile(pid_m, pid_n, tensors, sizes, strides, WEIGHT_SCHEME, PER_ROW_A_SCALE, SCALAR_B_SCALE,
+                       MUL_ROUTED_WEIGHT, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_K, TMA_B, RESCALE_ACC)
+    else:
+        # One tile per program; M-blocks at or past num_tokens_post_padded hold no pairs.
+        pid_m, pid_n = _tile_position(tl.program_id(0), num_m_blocks, N, BLOCK_SIZE_N, GROUP_SIZE_M)
+        if pid_m * BLOCK_SIZE_M < tl.load(num_tokens_post_padded_ptr):
+            _gemm_tile(pid_m, pid_n, tensors, sizes, strides, WEIGHT_SCHEME, PER_ROW_A_SCALE, SCALAR_B_SCALE,
+                       MUL_ROUTED_WEIGHT, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_K, TMA_B, RESCALE_ACC)
 
 
 def _scale_strides(scale: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -303,7 +332,8 @@ def invoke_grouped_gemm(
         raise ValueError(f"BLOCK_SIZE_K={block_k} must divide the quantization group {group_k}")
     if split_k > 1 and c.dtype != torch.float32:
         raise ValueError("with SPLIT_K > 1 the GEMM adds into C: it must be zeroed float32 (gemm_output)")
-    tiles = sorted_token_ids.shape[0] // block_m * triton.cdiv(n, block_n)  # worst case: no host sync
+    num_m_blocks = sorted_token_ids.shape[0] // block_m  # the worst case: no host sync
+    tiles = num_m_blocks * triton.cdiv(n, block_n)
     persistent = config.get("PERSISTENT", False)
     grid = (min(tiles, _program_slots(a.device)) if persistent else tiles, split_k)
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if warmup else _grouped_gemm_kernel[grid]
@@ -311,7 +341,7 @@ def invoke_grouped_gemm(
     launch(
         a, _weight_descriptor(b, block_n, block_k) if tma_b else b, c, a_scale, b_scale, topk_weights,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_pairs,
+        n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         *_scale_strides(a_scale, 2), *_scale_strides(b_scale, 3),
         group_n, group_k, a_row_divisor,
