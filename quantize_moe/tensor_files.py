@@ -202,10 +202,15 @@ class ShardFile:
         self.header_sha256 = hashlib.sha256(header).digest()
         self.tensor_sha256: dict[str, bytes] = {}
         self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        write_all_at(self.fd, 0, header)
-        allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
-        self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
-        self.direct_fd = _open_direct(self.partial)
+        try:
+            write_all_at(self.fd, 0, header)
+            allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
+            self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
+            self.direct_fd = _open_direct(self.partial)
+        except BaseException:  # a full disk, say: no file left behind
+            os.close(self.fd)
+            self.partial.unlink(missing_ok=True)
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         with self._writing(self.offsets[name], tensor.view(-1).view(torch.uint8)):

@@ -103,6 +103,36 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("error", [errno.EINVAL, errno.EACCES])
+def test_a_file_system_without_o_direct_gets_writes_through_the_page_cache(tmp_path, monkeypatch, error):
+    """EINVAL (tmpfs before Linux 6.6, some network file systems): every byte goes through the page
+    cache, unchanged; any other error names the file."""
+    plain_open = tensor_files.os.open
+
+    def open_refusing_direct(path, flags, *args):
+        if flags & tensor_files.os.O_DIRECT:
+            raise OSError(error, tensor_files.os.strerror(error))
+        return plain_open(path, flags, *args)
+
+    monkeypatch.setattr(tensor_files.os, "open", open_refusing_direct)
+    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
+    tensors = {"a.weight": torch.randn(3 * tensor_files.DIRECT_ALIGNMENT).to(fp8.FP8_DTYPE)}
+    outputs = [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    if error != errno.EINVAL:
+        with pytest.raises(OSError, match="out.safetensors.partial"):
+            ShardFile(tmp_path / "out.safetensors", outputs)
+        assert not list(tmp_path.iterdir())  # nothing left behind
+        return
+    shard = ShardFile(tmp_path / "out.safetensors", outputs)
+    assert shard.direct_fd is None
+    buffer = torch.empty(tensors["a.weight"].nbytes + tensor_files.DIRECT_ALIGNMENT, dtype=torch.uint8)
+    lined_up = tensor_files.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
+    shard.write("a.weight", lined_up.copy_(tensors["a.weight"].view(torch.uint8)).view(fp8.FP8_DTYPE))
+    shard.finish()
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
 # Same-size dtypes in both orders (bf16/f16, fp8/int8/bool) and every width, to pin safetensors' data order.
 HEADER_DTYPES = [torch.float32, torch.bfloat16, torch.float16, fp8.FP8_DTYPE, torch.int8, torch.uint8, torch.bool,
                  torch.int64, torch.int32, torch.float64]
