@@ -14,6 +14,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from quantize_moe.check import check_expert_weights
 from quantize_moe.console import console, count_progress, stdout
+from quantize_moe.engine import GPU_WORKERS_PER_DEVICE
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Options, make_plan
 from quantize_moe.report import decisions_table, overview_table, run_table, validation_table, verify_table
@@ -69,7 +70,7 @@ Format = Annotated[str, typer.Option("--format", help="On-disk format: fp8 (vLLM
 @app.command()
 @user_errors
 def quantize(
-    src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors) or Hub repo id org/name[@rev].")],
+    src: Annotated[str, typer.Argument(help="Checkpoint folder (safetensors), or Hub repo id org/name or org/name@revision.")],
     dst: Annotated[Path, typer.Argument(help="Output folder for the FP8 checkpoint.")],
     experts_only: ExpertsOnly = False,
     scheme: Scheme = "auto",
@@ -90,7 +91,7 @@ def quantize(
                                         help="Where to quantize: cpu, cuda, or several GPUs as cuda:0,cuda:1."
                                         )] = "cpu",
     workers: Annotated[int | None, typer.Option(help="Work items in flight at once, spread over the "
-                                                "devices [default: one per core on cpu, 3 per GPU].")] = None,
+                                                f"devices (default: one per core on cpu, {GPU_WORKERS_PER_DEVICE} per GPU).")] = None,
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
     a manifest of every file's size and digest, a model card, and every other file of SRC unchanged."""
@@ -159,7 +160,7 @@ def verify(
 @app.command()
 @user_errors
 def inspect(
-    src: Annotated[str, typer.Argument(help="Checkpoint folder, or Hub repo id org/name[@revision].")],
+    src: Annotated[str, typer.Argument(help="Checkpoint folder, or Hub repo id org/name or org/name@revision.")],
     experts_only: ExpertsOnly = False,
     scheme: Scheme = "auto",
     format_: Format = "auto",

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from quantize_moe.cli import app
+from quantize_moe.engine import GPU_WORKERS_PER_DEVICE
 
 runner = CliRunner()
 
@@ -110,3 +112,16 @@ def test_kept_weights_stay_bit_identical_through_the_cli(tiny_checkpoint, tmp_pa
     original = load_file(src / "model.safetensors")
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert out[bias].dtype == original[bias].dtype and torch.equal(out[bias], original[bias])
+
+
+@pytest.mark.parametrize("command, shown", [
+    ("quantize", ["org/name@revision", f"{GPU_WORKERS_PER_DEVICE} per GPU"]),
+    ("inspect", ["org/name@revision"]),
+])
+def test_help_shows_what_rich_markup_could_swallow(command, shown, monkeypatch):
+    """Square brackets in help text read as rich markup tags and vanish; the help says it without them."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option, so phrases are not wrapped apart
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    for phrase in shown:
+        assert phrase in result.output, phrase
