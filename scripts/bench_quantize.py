@@ -1,10 +1,11 @@
 """Time quantize-moe against llm-compressor's `model_free_ptq` and against the disk, and print a table.
 
 Every run is a separate process on a warm page cache (each checkpoint is read
-once before its runs, and our imports are run once); wall time and the peak RSS of that process (from
-`wait4`) are recorded. Pairs: our per-channel scheme vs llm-compressor's
-FP8_DYNAMIC, our block scheme vs its FP8_BLOCK. llm-compressor runs from its
-own virtual environment (--llmc-python), never from this project's. With
+once before its runs, and our imports are run once); wall time and the peak
+RSS of that process (from `wait4`) are recorded. Pairs: our per-channel
+scheme vs llm-compressor's FP8_DYNAMIC, our block scheme vs its FP8_BLOCK.
+llm-compressor runs from its own virtual environment (--llmc-python), never
+from this project's. With
 --repeat N the two tools take turns N times and the ratios use each one's
 median (a shared machine's disk and page cache vary from run to run).
 
@@ -94,7 +95,7 @@ def disk_rate(dst: Path, nbytes: int, flags: list[str], streams: int) -> float:
     start = time.perf_counter()
     writers = [subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", f"bs={DD_BLOCK_BYTES}", f"count={blocks}",
                                  *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for target in targets]
-    if any(writer.wait() for writer in writers):
+    if any([writer.wait() for writer in writers]):  # a list: wait for every one
         raise SystemExit(f"dd into {dst} failed")
     seconds = time.perf_counter() - start
     for target in targets:
