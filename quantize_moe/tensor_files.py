@@ -207,6 +207,7 @@ class ShardFile:
             allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
             self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
             self.direct_fd = _open_direct(self.partial)
+            self.direct = self.direct_fd is not None  # cleared if the file system refuses a direct write
         except BaseException:  # a full disk, say: no file left behind
             os.close(self.fd)
             self.partial.unlink(missing_ok=True)
@@ -239,16 +240,29 @@ class ShardFile:
         view, count = _as_bytes(data), len(data)
         head = -offset % DIRECT_ALIGNMENT
         body = max(0, count - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
-        if (self.direct_fd is None or count < DIRECT_MIN_BYTES or body == 0
-                or (data.data_ptr() + head) % DIRECT_ALIGNMENT):
-            write_all_at(self.fd, offset, view)
-            with written_behind(self.fd, offset, count):
-                yield
+        lined_up = (self.direct and count >= DIRECT_MIN_BYTES and body > 0
+                    and (data.data_ptr() + head) % DIRECT_ALIGNMENT == 0)
+        if lined_up and self._write_direct(offset + head, view[head:head + body]):
+            write_all_at(self.fd, offset, view[:head])
+            write_all_at(self.fd, offset + head + body, view[head + body:])
+            yield
             return
-        write_all_at(self.fd, offset, view[:head])
-        write_all_at(self.fd, offset + head + body, view[head + body:])
-        write_all_at(self.direct_fd, offset + head, view[head:head + body])
-        yield
+        write_all_at(self.fd, offset, view)
+        with written_behind(self.fd, offset, count):
+            yield
+
+    def _write_direct(self, offset: int, view: memoryview) -> bool:
+        """Write whole pages around the page cache; False (and no more direct writes to this shard)
+        where the file system opened the file for that but refuses the write (EINVAL: it wants larger
+        alignment, say)."""
+        try:
+            write_all_at(self.direct_fd, offset, view)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            self.direct = False  # the descriptor stays open until finish: another worker may be using it
+            return False
+        return True
 
     def tensor_sha256s(self) -> list[bytes]:
         """The sha256 of every tensor, in file order (all of them must have been written)."""

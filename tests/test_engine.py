@@ -133,6 +133,40 @@ def test_a_file_system_without_o_direct_gets_writes_through_the_page_cache(tmp_p
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
+def test_a_refused_direct_write_falls_back_to_the_page_cache_for_the_rest_of_the_shard(tmp_path, monkeypatch):
+    """A file system may open a file for O_DIRECT and then refuse the writes (EINVAL: larger alignment)."""
+    refused, direct_fds = [], []
+    write_all_at, open_direct = tensor_files.write_all_at, tensor_files._open_direct
+
+    def recording_open(path):
+        direct_fds.append(open_direct(path))
+        return direct_fds[-1]
+
+    def refusing_write(fd, offset, view):
+        if fd in direct_fds:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        write_all_at(fd, offset, view)
+
+    monkeypatch.setattr(tensor_files, "_open_direct", recording_open)
+    monkeypatch.setattr(tensor_files, "write_all_at", refusing_write)
+    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
+    page = tensor_files.DIRECT_ALIGNMENT
+    tensors = {f"{name}.weight": torch.randn(3 * page + 11).to(fp8.FP8_DTYPE) for name in "ab"}
+    shard = ShardFile(tmp_path / "out.safetensors",
+                      [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    if shard.direct_fd is None:
+        pytest.skip("the file system of the test folder has no O_DIRECT")
+    for name, tensor in tensors.items():
+        buffer = torch.empty(tensor.nbytes + page, dtype=torch.uint8)
+        lined_up = tensor_files.placed(buffer, 0, tensor.nbytes, shard.offsets[name])
+        shard.write(name, lined_up.copy_(tensor.view(torch.uint8)).view(fp8.FP8_DTYPE))
+    shard.finish()
+    assert len(refused) == 1 and not shard.direct  # tried once, then the page cache only
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
 # Same-size dtypes in both orders (bf16/f16, fp8/int8/bool) and every width, to pin safetensors' data order.
 HEADER_DTYPES = [torch.float32, torch.bfloat16, torch.float16, fp8.FP8_DTYPE, torch.int8, torch.uint8, torch.bool,
                  torch.int64, torch.int32, torch.float64]
