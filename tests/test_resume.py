@@ -18,23 +18,28 @@ from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snap
 ARGS = ("--max-shard-size", SHARD_SIZE, "--no-progress")
 
 # Runs the CLI in a child that SIGKILLs itself around the n-th os.replace, i.e. the n-th file put in
-# place. Order for the tiny Mixtral: 1 manifest, 2 shard 1, 3 manifest, 4 shard 2, 5 manifest,
-# 6 shard 3, 7 manifest, 8 generation_config.json, 9 index, 10 config.json, 11 final manifest.
+# place. Workers put shards in place while another worker may be writing the manifest, so the order
+# varies from run to run; for the tiny Mixtral it is about 1 manifest, 2 shard 1, 3 manifest,
+# 4 shard 2, 5 manifest, 6 shard 3, 7 manifest, 8 generation_config.json, 9 index, 10 config.json,
+# 11 final manifest (the last four always come last, in that order).
 # "before": the temporary file is complete but not renamed; "after": renamed, nothing after it done;
 # "torn": the temporary file is cut to half its size first, as if killed while writing it.
+# The count is taken under a lock: two threads renaming at once must not both miss (or both take) n.
 KILLER = """
-import os, signal, sys
+import os, signal, sys, threading
 n, when = int(sys.argv[1]), sys.argv[2]
-rename, calls = os.replace, 0
+rename, calls, counting = os.replace, 0, threading.Lock()
 def replace(tmp, final):
     global calls
-    calls += 1
-    if calls == n and when == "torn":
+    with counting:
+        calls += 1
+        mine = calls
+    if mine == n and when == "torn":
         os.truncate(tmp, os.path.getsize(tmp) // 2)
-    if calls == n and when in ("before", "torn"):
+    if mine == n and when in ("before", "torn"):
         os.kill(os.getpid(), signal.SIGKILL)
     rename(tmp, final)
-    if calls == n and when == "after":
+    if mine == n and when == "after":
         os.kill(os.getpid(), signal.SIGKILL)
 os.replace = replace
 from quantize_moe.cli import app
