@@ -47,7 +47,8 @@ from quantize_moe import fp8
 from quantize_moe.digests import shard_digest
 from quantize_moe.errors import UserError
 from quantize_moe.plan import Plan, WorkItem
-from quantize_moe.tensor_files import DIRECT_ALIGNMENT, ShardFile, data_offsets, placed, read_into
+from quantize_moe.tensor_files import (DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, data_offsets, placed,
+                                       read_into)
 
 # A GPU worker spends most of an item writing and waiting for the disk (quantizing takes milliseconds),
 # so a device gets enough workers to keep several writes in flight: on an H200 machine, 6 workers wrote a
@@ -254,7 +255,7 @@ def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard:
             # Kept floating-point tensors are checked for NaN/Inf on the way, as `produce` does.
             check = (lambda chunk, out=out: fp8.finite_range(chunk.view(out.dtype), out.name)) \
                 if out.dtype.is_floating_point and out.nbytes else None
-            shard.copy_from(out.name, *sources.fd_and_offset(out.name), out.nbytes, check)
+            shard.copy_from(out.name, *sources.fd_and_offset(out.name), out.nbytes, worker.host_inputs, check)
         return
     if not (raw and item.quantize and plan.decisions[item.sources[0]].role.fused is None):
         for name, tensor in produce(plan, item, sources.read(item.sources)).items():
@@ -287,7 +288,10 @@ def run(plan: Plan, dst: Path, devices: list[torch.device], workers: int, *, ski
     `workers` workers spread over `devices`."""
     todo = [item for name, items in zip(plan.shard_names, plan.shards) if name not in skip for item in items]
     quantized = [item for item in todo if item.quantize]
-    input_bytes = max((item.input_bytes for item in quantized), default=0)
+    # Tensors copied unchanged go through the same host buffer, a chunk at a time.
+    input_bytes = max([item.input_bytes for item in quantized]
+                      + [copy_scratch_bytes(o.nbytes) for item in todo if not item.quantize for o in item.outputs],
+                      default=0)
     output_bytes = max((sum(o.nbytes + DIRECT_ALIGNMENT for o in item.outputs[0::2]) for item in quantized), default=0)
     pool = [Worker(devices[i % len(devices)], input_bytes, output_bytes) for i in range(workers)]
     sources, shards = Sources(plan), OutputShards(plan, dst, on_shard_finished)

@@ -171,6 +171,11 @@ def write_all_at(fd: int, offset: int, view: memoryview | bytes) -> None:
         view, offset = view[n:], offset + n
 
 
+def copy_scratch_bytes(nbytes: int) -> int:
+    """The scratch bytes `ShardFile.copy_from` needs to copy a tensor of `nbytes`."""
+    return min(nbytes, COPY_BUFFER_BYTES) + DIRECT_ALIGNMENT
+
+
 def placed(buffer: torch.Tensor, start: int, nbytes: int, file_offset: int) -> torch.Tensor:
     """`nbytes` of the flat byte tensor `buffer`, from `start` or at most DIRECT_ALIGNMENT - 1 bytes
     past it, lined up with a file offset: their address and `file_offset` are equal modulo
@@ -217,12 +222,14 @@ class ShardFile:
         with self._writing(self.offsets[name], tensor.view(-1).view(torch.uint8)):
             self.tensor_sha256[name] = hashlib.sha256(_as_bytes(tensor)).digest()
 
-    def copy_from(self, name: str, src_fd: int, src_offset: int, count: int,
+    def copy_from(self, name: str, src_fd: int, src_offset: int, count: int, scratch: torch.Tensor,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Copy tensor `name` from another file through a bounded buffer; `check` sees each chunk."""
+        """Copy tensor `name` from another file in chunks of at most COPY_BUFFER_BYTES, read into the
+        flat byte tensor `scratch` (which has room for one chunk plus DIRECT_ALIGNMENT bytes: see
+        `copy_scratch_bytes`); `check` sees each chunk."""
         digest, offset = hashlib.sha256(), self.offsets[name]
         size = min(count, COPY_BUFFER_BYTES)  # a multiple of DIRECT_ALIGNMENT when there are several chunks
-        buffer = placed(torch.empty(size + DIRECT_ALIGNMENT, dtype=torch.uint8), 0, size, offset)
+        buffer = placed(scratch, 0, size, offset)
         while count:
             chunk = buffer[:min(count, size)]
             read_into(src_fd, src_offset, chunk)

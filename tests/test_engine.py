@@ -90,7 +90,8 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
     save_file({"c.bias": tensors["c.bias"]}, tmp_path / "src.safetensors")
     source_offset = data_offsets(tmp_path / "src.safetensors", {"c.bias": tensors["c.bias"].nbytes})["c.bias"]
     with open(tmp_path / "src.safetensors", "rb") as source:
-        shard.copy_from("c.bias", source.fileno(), source_offset, tensors["c.bias"].nbytes)
+        scratch = torch.empty(tensor_files.copy_scratch_bytes(tensors["c.bias"].nbytes), dtype=torch.uint8)
+        shard.copy_from("c.bias", source.fileno(), source_offset, tensors["c.bias"].nbytes, scratch)
     shard.write("d.weight_scale", tensors["d.weight_scale"])
     shard.finish()
 
