@@ -11,9 +11,9 @@ arithmetic overlap, and the CPU path uses every core.
 
 Memory is bounded by the work, not the model: a worker's buffers hold the
 largest quantized work item (gate and up of one expert, say) and are allocated
-once, so no page is faulted in twice; tensors kept unchanged are copied through
-a bounded buffer (checked for NaN/Inf on the way). Peak RSS is workers x the
-largest group, plus torch and Python.
+once, so no page is faulted in twice; tensors kept unchanged are copied a
+bounded chunk at a time through the same input buffer (checked for NaN/Inf on
+the way). Peak RSS is workers x the largest group, plus torch and Python.
 
 Each worker hashes what it writes, so a shard's digest for the manifest
 (`quantize_moe.digests`) is ready the moment its last tensor is written,
