@@ -26,7 +26,7 @@ from importlib import resources
 
 import torch
 
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 GEMMS = ("gemm1", "gemm2")

@@ -100,7 +100,7 @@ from quantize_moe.kernels.align import moe_align_block_size
 from quantize_moe.kernels.configs import get_config, per_gemm
 from quantize_moe.kernels.quant import quantize_fp8
 from quantize_moe.kernels.activation import silu_and_mul
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
 
 # Weight-scale layouts, as constexpr for the kernel.
 _SCHEME_CODE = {"none": 0, "tensor": 1, "channel": 2, "block": 3}

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from quantize_moe.kernels.activation import silu_and_mul, silu_mul
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 from quantize_moe.moe.reference import FP8_DTYPE, FP8_MAX, FP8_MAX_INV, MIN_SCALE
 
 

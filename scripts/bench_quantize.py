@@ -36,7 +36,7 @@ LLMC_SCHEME = {"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}
 LLMC_SNIPPET = ("import sys; from llmcompressor import model_free_ptq; "
                 "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], "
                 "ignore=['lm_head', 're:.*embed_tokens$', 're:.*block_sparse_moe.gate$'])")
-OURS_SNIPPET = ("import sys; from quantize_moe.plan import Options; from quantize_moe.quantize import "
+OURS_SNIPPET = ("import sys; from quantize_moe.plan.plan import Options; from quantize_moe.write.job import "
                 "quantize_checkpoint; quantize_checkpoint(sys.argv[1], sys.argv[2], Options(scheme=sys.argv[3]), "
                 "overwrite=True, show_progress=False, device=sys.argv[4], workers=int(sys.argv[5]) or None)")
 
@@ -72,7 +72,7 @@ def warm(folder: Path) -> None:
 
 def warm_imports(device: str) -> None:
     """Import what a run imports once, so that no timed run pays for reading torch's libraries from disk."""
-    modules = "quantize_moe.quantize" + (", quantize_moe.cuda_quant" if device != "cpu" else "")
+    modules = "quantize_moe.write.job" + (", quantize_moe.quantization.cuda" if device != "cpu" else "")
     subprocess.run([sys.executable, "-c", f"import {modules}"], check=True)
 
 

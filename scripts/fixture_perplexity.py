@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantize_moe.engines import LOADS
-from quantize_moe.evaluate import fp8_perplexity, heldout_perplexity
-from quantize_moe.plan import Options
+from quantize_moe.plan.compatibility import LOADS
+from quantize_moe.check.evaluate import fp8_perplexity, heldout_perplexity
+from quantize_moe.plan.plan import Options
 
 MODEL = "tiny-mixtral-trained"
 HELDOUT = "heldout-python-source.bin"

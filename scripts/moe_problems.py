@@ -16,7 +16,7 @@ from quantize_moe.kernels.activation import silu_and_mul
 from quantize_moe.kernels.align import moe_align_block_size
 from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
 from quantize_moe.kernels.quant import quantize_fp8
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, H200 device-to-device copy measured (kernel-anchors.md)
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)

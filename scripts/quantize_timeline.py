@@ -23,16 +23,15 @@ import contextlib  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import quantize_moe.quantize as orchestrator  # noqa: E402
-from quantize_moe import engine, manifest, tensor_files  # noqa: E402
-from quantize_moe.plan import Options  # noqa: E402
+from quantize_moe.write import job, manifest, pipeline, shard_file  # noqa: E402
+from quantize_moe.plan.plan import Options  # noqa: E402
 
 IMPORTED = time.perf_counter()
-WRAPPED = [(orchestrator, "make_plan"), (orchestrator, "check_free_space"), (orchestrator, "copy_extra_files"),
-           (engine, "Worker"), (engine, "process"), (engine, "read_into"), (tensor_files.ShardFile, "copy_from"),
-           (tensor_files.ShardFile, "write"), (tensor_files, "write_all_at"), (manifest.Manifest, "record"),
+WRAPPED = [(job, "make_plan"), (job, "check_free_space"), (job, "copy_extra_files"),
+           (pipeline, "Worker"), (pipeline, "process"), (pipeline, "read_into"), (shard_file.ShardFile, "copy_from"),
+           (shard_file.ShardFile, "write"), (shard_file, "write_all_at"), (manifest.Manifest, "record"),
            (manifest.Manifest, "finish")]
-WRAPPED_CONTEXTS = [(tensor_files, "written_behind")]  # timed from entering the with-block to leaving it
+WRAPPED_CONTEXTS = [(shard_file, "written_behind")]  # timed from entering the with-block to leaving it
 
 
 def timed(function, name: str, events: list):
@@ -72,8 +71,8 @@ def main() -> None:
         for owner, name in wrapped:
             setattr(owner, name, wrap(getattr(owner, name), name, events))
     if args.no_write_behind:
-        tensor_files.written_behind = lambda fd, offset, count: contextlib.nullcontext()
-    summary = orchestrator.quantize_checkpoint(args.src, args.dst, Options(scheme=args.scheme), overwrite=True,
+        shard_file.written_behind = lambda fd, offset, count: contextlib.nullcontext()
+    summary = job.quantize_checkpoint(args.src, args.dst, Options(scheme=args.scheme), overwrite=True,
                                                show_progress=False, device=args.device, workers=args.workers)
     print(f"import {IMPORTED - START:.2f} s, quantize_checkpoint {summary.seconds:.2f} s")
     spans = collections.defaultdict(lambda: [0.0, 0, float("inf"), 0.0])

@@ -33,7 +33,7 @@ import torch
 from moe_problems import MODES, REP_MS, SHAPES, TOKENS, GemmInputs, Shape, parse_shape, random_weights, time_us
 from quantize_moe.kernels.configs import config_file_name, per_gemm
 from quantize_moe.kernels.fused_moe import gemm_output, invoke_grouped_gemm
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 SHARED_MEMORY = 227 * 1024  # bytes per block on an H100/H200
 MEMORY_BOUND_ROWS = 16  # average rows per expert up to which the GEMMs stream weights

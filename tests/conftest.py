@@ -9,7 +9,7 @@ os.environ.setdefault("COLUMNS", "200")  # rich wraps tables at 80 columns witho
 
 import pytest
 
-from quantize_moe.tiny import build_tiny_checkpoint
+from quantize_moe.source.tiny import build_tiny_checkpoint
 
 SHARED_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 

@@ -139,12 +139,13 @@ def test_quantization_scales(mode, fuse_silu_mul):
 @pytest.mark.parametrize("shape", [(300, 520), (256, 384), (5, 7)])
 def test_weight_quantization_scales_match_the_cpu_backend(scheme, shape):
     """The GPU backend's amax and scales equal the CPU's bit for bit (fp8 values: on the GPU)."""
-    from quantize_moe import cuda_quant, fp8
-    from quantize_moe.schemes import SCHEMES
+    from quantize_moe.quantization import cuda
+    from quantize_moe.quantization import fp8
+    from quantize_moe.quantization.schemes import SCHEMES
 
     w = torch.randn(*shape) * torch.logspace(-3, 1, shape[0])[:, None]
     w[1] = 0  # an all-zero row or block gets scale 1
     cell = SCHEMES[scheme].cell(shape)
     out = torch.empty(shape, dtype=fp8.FP8_DTYPE)
-    assert torch.equal(cuda_quant.grid_amax(w, cell, "w"), fp8.grid_amax(w, cell, "w"))
-    assert torch.equal(cuda_quant.quantize_cells(w, cell, out, "w"), fp8.quantize_cells(w, cell, out, "w"))
+    assert torch.equal(cuda.grid_amax(w, cell, "w"), fp8.grid_amax(w, cell, "w"))
+    assert torch.equal(cuda.quantize_cells(w, cell, out, "w"), fp8.quantize_cells(w, cell, out, "w"))

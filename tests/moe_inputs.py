@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
 from quantize_moe.moe.reference import quantize_weight
 
 # Every quantization mode the kernels support, by a short test id.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from quantize_moe.cli import app
+from quantize_moe.cli.app import app
 
 SHARD_SIZE = "100KB"  # the tiny Mixtral is ~280 KB in bf16: 5 source shards, 3 FP8 output shards
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize_moe.cli import app
-from quantize_moe.engine import GPU_WORKERS_PER_DEVICE
+from quantize_moe.cli.app import app
+from quantize_moe.write.pipeline import GPU_WORKERS_PER_DEVICE
 
 runner = CliRunner()
 

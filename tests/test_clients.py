@@ -14,12 +14,12 @@ from compressed_tensors.utils.match import match_name
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 from transformers.utils import logging as transformers_logging
 
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.dequantize import dequantize_checkpoint
-from quantize_moe.engines import LOADS, loading_engines
-from quantize_moe.fp8 import FP8_DTYPE
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.adapters.reader import dequantize_checkpoint
+from quantize_moe.plan.compatibility import LOADS, loading_engines
+from quantize_moe.quantization.fp8 import FP8_DTYPE
+from quantize_moe.plan.plan import Options
+from quantize_moe.write.job import quantize_checkpoint
 
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
 FOR_TRANSFORMERS = [c for c in LOADS if "transformers" in loading_engines(*c)]

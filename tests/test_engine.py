@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save, save_file
 
-from quantize_moe import fp8
-from quantize_moe.checkpoint import Checkpoint
+from quantize_moe.quantization import fp8
+from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.plan import Options, OutputTensor
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.schemes import SCHEMES
-from quantize_moe import tensor_files
-from quantize_moe.tensor_files import ShardFile, data_offsets, read_into, safetensors_header
+from quantize_moe.plan.plan import Options, OutputTensor
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.quantization.schemes import SCHEMES
+from quantize_moe.write import shard_file
+from quantize_moe.write.shard_file import ShardFile, data_offsets, read_into, safetensors_header
 
 SMALL_SHARDS = 60_000
 
@@ -28,9 +28,9 @@ def shard_bytes(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("write_behind_from", [tensor_files.WRITE_BEHIND_MIN_BYTES, 1])
+@pytest.mark.parametrize("write_behind_from", [shard_file.WRITE_BEHIND_MIN_BYTES, 1])
 def test_shard_file_filled_in_place_equals_save_file(tmp_path, monkeypatch, write_behind_from):
-    monkeypatch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", write_behind_from)  # 1: every write behind
+    monkeypatch.setattr(shard_file, "WRITE_BEHIND_MIN_BYTES", write_behind_from)  # 1: every write behind
     tensors = {"b.weight": torch.randn(5, 7).to(fp8.FP8_DTYPE), "a.weight_scale": torch.tensor(3.0),
                "c": torch.randn(3, 2, dtype=torch.bfloat16), "empty": torch.empty(0)}
     shard = ShardFile(tmp_path / "in-place.safetensors",
@@ -47,7 +47,7 @@ def direct_writes(monkeypatch) -> list[tuple[int, int]]:
     """Record (offset, byte count) of every write made around the page cache, from now on; skip
     the test where this file system does not offer that."""
     descriptors, writes = set(), []
-    open_direct, write_all_at = tensor_files._open_direct, tensor_files.write_all_at
+    open_direct, write_all_at = shard_file._open_direct, shard_file.write_all_at
 
     def recording_open(path):
         fd = open_direct(path)
@@ -61,16 +61,16 @@ def direct_writes(monkeypatch) -> list[tuple[int, int]]:
             writes.append((offset, len(view)))
         write_all_at(fd, offset, view)
 
-    monkeypatch.setattr(tensor_files, "_open_direct", recording_open)
-    monkeypatch.setattr(tensor_files, "write_all_at", recording_write)
+    monkeypatch.setattr(shard_file, "_open_direct", recording_open)
+    monkeypatch.setattr(shard_file, "write_all_at", recording_write)
     return writes
 
 
 def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkeypatch):
     writes = direct_writes(monkeypatch)
-    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(tensor_files, "COPY_BUFFER_BYTES", 2 * tensor_files.DIRECT_ALIGNMENT)  # copies in chunks
-    page = tensor_files.DIRECT_ALIGNMENT
+    monkeypatch.setattr(shard_file, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shard_file, "COPY_BUFFER_BYTES", 2 * shard_file.DIRECT_ALIGNMENT)  # copies in chunks
+    page = shard_file.DIRECT_ALIGNMENT
     tensors = {"a.weight": torch.randn(3 * page + 77).to(fp8.FP8_DTYPE),  # lined up below: written direct
                "b.weight": torch.randn(2 * page + 5).to(fp8.FP8_DTYPE),  # not lined up: through the page cache
                "c.bias": torch.randn(page + 3, dtype=torch.bfloat16),  # copied from a file, in chunks
@@ -78,7 +78,7 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
     shard = ShardFile(tmp_path / "out.safetensors",
                       [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     buffer = torch.empty(tensors["a.weight"].nbytes + page, dtype=torch.uint8)
-    lined_up = tensor_files.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
+    lined_up = shard_file.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
     lined_up.copy_(tensors["a.weight"].view(torch.uint8))
     shard.write("a.weight", lined_up.view(fp8.FP8_DTYPE))
     a_writes = list(writes)
@@ -90,7 +90,7 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
     save_file({"c.bias": tensors["c.bias"]}, tmp_path / "src.safetensors")
     source_offset = data_offsets(tmp_path / "src.safetensors", {"c.bias": tensors["c.bias"].nbytes})["c.bias"]
     with open(tmp_path / "src.safetensors", "rb") as source:
-        scratch = torch.empty(tensor_files.copy_scratch_bytes(tensors["c.bias"].nbytes), dtype=torch.uint8)
+        scratch = torch.empty(shard_file.copy_scratch_bytes(tensors["c.bias"].nbytes), dtype=torch.uint8)
         shard.copy_from("c.bias", source.fileno(), source_offset, tensors["c.bias"].nbytes, scratch)
     shard.write("d.weight_scale", tensors["d.weight_scale"])
     shard.finish()
@@ -108,16 +108,16 @@ def test_whole_pages_are_written_direct_where_the_bytes_line_up(tmp_path, monkey
 def test_a_file_system_without_o_direct_gets_writes_through_the_page_cache(tmp_path, monkeypatch, error):
     """EINVAL (tmpfs before Linux 6.6, some network file systems): every byte goes through the page
     cache, unchanged; any other error names the file."""
-    plain_open = tensor_files.os.open
+    plain_open = shard_file.os.open
 
     def open_refusing_direct(path, flags, *args):
-        if flags & tensor_files.os.O_DIRECT:
-            raise OSError(error, tensor_files.os.strerror(error))
+        if flags & shard_file.os.O_DIRECT:
+            raise OSError(error, shard_file.os.strerror(error))
         return plain_open(path, flags, *args)
 
-    monkeypatch.setattr(tensor_files.os, "open", open_refusing_direct)
-    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
-    tensors = {"a.weight": torch.randn(3 * tensor_files.DIRECT_ALIGNMENT).to(fp8.FP8_DTYPE)}
+    monkeypatch.setattr(shard_file.os, "open", open_refusing_direct)
+    monkeypatch.setattr(shard_file, "DIRECT_MIN_BYTES", 0)
+    tensors = {"a.weight": torch.randn(3 * shard_file.DIRECT_ALIGNMENT).to(fp8.FP8_DTYPE)}
     outputs = [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     if error != errno.EINVAL:
         with pytest.raises(OSError, match="out.safetensors.partial"):
@@ -126,8 +126,8 @@ def test_a_file_system_without_o_direct_gets_writes_through_the_page_cache(tmp_p
         return
     shard = ShardFile(tmp_path / "out.safetensors", outputs)
     assert shard.direct_fd is None
-    buffer = torch.empty(tensors["a.weight"].nbytes + tensor_files.DIRECT_ALIGNMENT, dtype=torch.uint8)
-    lined_up = tensor_files.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
+    buffer = torch.empty(tensors["a.weight"].nbytes + shard_file.DIRECT_ALIGNMENT, dtype=torch.uint8)
+    lined_up = shard_file.placed(buffer, 0, tensors["a.weight"].nbytes, shard.offsets["a.weight"])
     shard.write("a.weight", lined_up.copy_(tensors["a.weight"].view(torch.uint8)).view(fp8.FP8_DTYPE))
     shard.finish()
     save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
@@ -137,7 +137,7 @@ def test_a_file_system_without_o_direct_gets_writes_through_the_page_cache(tmp_p
 def test_a_refused_direct_write_falls_back_to_the_page_cache_for_the_rest_of_the_shard(tmp_path, monkeypatch):
     """A file system may open a file for O_DIRECT and then refuse the writes (EINVAL: larger alignment)."""
     refused, direct_fds = [], []
-    write_all_at, open_direct = tensor_files.write_all_at, tensor_files._open_direct
+    write_all_at, open_direct = shard_file.write_all_at, shard_file._open_direct
 
     def recording_open(path):
         direct_fds.append(open_direct(path))
@@ -149,10 +149,10 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache_for_the_rest_of_the
             raise OSError(errno.EINVAL, "Invalid argument")
         write_all_at(fd, offset, view)
 
-    monkeypatch.setattr(tensor_files, "_open_direct", recording_open)
-    monkeypatch.setattr(tensor_files, "write_all_at", refusing_write)
-    monkeypatch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
-    page = tensor_files.DIRECT_ALIGNMENT
+    monkeypatch.setattr(shard_file, "_open_direct", recording_open)
+    monkeypatch.setattr(shard_file, "write_all_at", refusing_write)
+    monkeypatch.setattr(shard_file, "DIRECT_MIN_BYTES", 0)
+    page = shard_file.DIRECT_ALIGNMENT
     tensors = {f"{name}.weight": torch.randn(3 * page + 11).to(fp8.FP8_DTYPE) for name in "ab"}
     shard = ShardFile(tmp_path / "out.safetensors",
                       [OutputTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
@@ -160,7 +160,7 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache_for_the_rest_of_the
         pytest.skip("the file system of the test folder has no O_DIRECT")
     for name, tensor in tensors.items():
         buffer = torch.empty(tensor.nbytes + page, dtype=torch.uint8)
-        lined_up = tensor_files.placed(buffer, 0, tensor.nbytes, shard.offsets[name])
+        lined_up = shard_file.placed(buffer, 0, tensor.nbytes, shard.offsets[name])
         shard.write(name, lined_up.copy_(tensor.view(torch.uint8)).view(fp8.FP8_DTYPE))
     shard.finish()
     assert len(refused) == 1 and not shard.direct  # tried once, then the page cache only
@@ -199,14 +199,14 @@ class FailingFallocate:
 @pytest.mark.parametrize("error", [errno.EOPNOTSUPP, errno.ENOSPC])
 def test_allocate_falls_back_to_a_hole_only_where_fallocate_is_unsupported(tmp_path, monkeypatch, error):
     path = tmp_path / "shard"
-    monkeypatch.setattr(tensor_files, "_libc", FailingFallocate(error))
+    monkeypatch.setattr(shard_file, "_libc", FailingFallocate(error))
     with open(path, "wb") as f:
         if error == errno.EOPNOTSUPP:
-            tensor_files.allocate(f.fileno(), 12345, path)
+            shard_file.allocate(f.fileno(), 12345, path)
             assert path.stat().st_size == 12345
         else:
             with pytest.raises(OSError, match="No space left") as raised:
-                tensor_files.allocate(f.fileno(), 12345, path)
+                shard_file.allocate(f.fileno(), 12345, path)
             assert raised.value.filename == str(path)
 
 
@@ -228,11 +228,11 @@ def test_writing_behind_or_direct_changes_no_byte(block_friendly, tmp_path, monk
     for how in ("defaults", "every write behind", "every write direct"):
         with monkeypatch.context() as patch:
             if how == "every write behind":
-                patch.setattr(tensor_files, "DIRECT_MIN_BYTES", 1 << 62)
-                patch.setattr(tensor_files, "WRITE_BEHIND_MIN_BYTES", 1)
+                patch.setattr(shard_file, "DIRECT_MIN_BYTES", 1 << 62)
+                patch.setattr(shard_file, "WRITE_BEHIND_MIN_BYTES", 1)
             if how == "every write direct":
                 writes = direct_writes(patch)
-                patch.setattr(tensor_files, "DIRECT_MIN_BYTES", 0)
+                patch.setattr(shard_file, "DIRECT_MIN_BYTES", 0)
             dst = tmp_path / how
             quantize_checkpoint(src, dst, Options(max_shard_size=SMALL_SHARDS), workers=2, show_progress=False)
         outputs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})

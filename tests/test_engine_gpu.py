@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize_moe import cuda_quant, fp8
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.schemes import SCHEMES
+from quantize_moe.quantization import cuda
+
+from quantize_moe.quantization import fp8
+from quantize_moe.plan.plan import Options
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.quantization.schemes import SCHEMES
 from test_engine import shard_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,7 +25,7 @@ def test_kernel_bytes_equal_cpu(scheme, shape):
     cpu_q = torch.empty(shape, dtype=fp8.FP8_DTYPE)
     cpu_scale = fp8.quantize_cells(w, cell, cpu_q, "w")
     gpu_q = torch.empty(shape, dtype=fp8.FP8_DTYPE, device="cuda")
-    gpu_scale = cuda_quant.quantize_cells(w.cuda(), cell, gpu_q, "w")
+    gpu_scale = cuda.quantize_cells(w.cuda(), cell, gpu_q, "w")
     assert torch.equal(gpu_scale.cpu(), cpu_scale)
     assert torch.equal(gpu_q.cpu().view(torch.uint8), cpu_q.view(torch.uint8))
 

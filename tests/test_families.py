@@ -17,15 +17,15 @@ from transformers import AutoModelForCausalLM
 
 from moe_blocks import expert_call
 from quantize_moe.adapters import Kind
-from quantize_moe.check import check_expert_weights
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.dequantize import dequantize_checkpoint
+from quantize_moe.check.weights import check_expert_weights
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.adapters.reader import dequantize_checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
-from quantize_moe.plan import MTP_REASON, make_plan
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import TINY_CONFIGS, add_mtp_layer, build_tiny_checkpoint, to_block_fp8
+from quantize_moe.plan.plan import MTP_REASON, make_plan
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import TINY_CONFIGS, add_mtp_layer, build_tiny_checkpoint, to_block_fp8
 
 FAMILIES = sorted(TINY_CONFIGS)
 REFUSED = {"gpt_oss", "llama4_text"}  # FP8 output loads in no engine

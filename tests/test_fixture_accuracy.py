@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantize_moe.engines import LOADS
-from quantize_moe.evaluate import fp8_perplexity, heldout_perplexity
-from quantize_moe.plan import Options
+from quantize_moe.plan.compatibility import LOADS
+from quantize_moe.check.evaluate import fp8_perplexity, heldout_perplexity
+from quantize_moe.plan.plan import Options
 
 WINDOWS = 8  # of the script's 64: the ratio is paired over the same windows, so it is stable
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 from quantize_moe.errors import UserError
-from quantize_moe.schemes import PerTensorScheme
+from quantize_moe.quantization.schemes import PerTensorScheme
 
 
 def test_quantize_round_trip_is_within_the_rounding_bound():

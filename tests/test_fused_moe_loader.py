@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 from quantize_moe.errors import UserError
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import Fp8FusedMoEMethod, UnquantizedFusedMoEMethod
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 E, H, I = 3, 16, 8
 

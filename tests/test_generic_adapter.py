@@ -12,11 +12,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
-from quantize_moe.cli import app
-from quantize_moe.plan import Options, make_plan
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.validate import validate
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.cli.app import app
+from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.check.validate import validate
 
 UNKNOWN = "mystery_moe"
 SHARDED = 60_000  # a few output shards, so the index is compared too

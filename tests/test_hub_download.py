@@ -15,8 +15,8 @@ from huggingface_hub import constants
 
 from fake_hub import COMMIT, FakeHub
 from quantize_moe.errors import UserError
-from quantize_moe.hub import HubSource, StreamedCheckpoint, open_source, parse_source
-from quantize_moe.tiny import build_tiny_checkpoint
+from quantize_moe.source.hub import HubSource, StreamedCheckpoint, open_source, parse_source
+from quantize_moe.source.tiny import build_tiny_checkpoint
 
 REPO = "org/tiny-moe"
 
@@ -117,8 +117,8 @@ def test_streamed_checkpoint_frees_each_shard_after_its_last_tensor(source, tmp_
     if layers != 2:
         source = build_tiny_checkpoint("mixtral", tmp_path / "src", max_shard_size="60KB", num_hidden_layers=layers)
     with FakeHub(repo_id=REPO, served=source) as hub:
-        code = ("from pathlib import Path\nfrom quantize_moe.hub import open_source\n"
-                "from quantize_moe.plan import make_plan\n"
+        code = ("from pathlib import Path\nfrom quantize_moe.source.hub import open_source\n"
+                "from quantize_moe.plan.plan import make_plan\n"
                 f"c = open_source('{REPO}', stream=True, scratch=Path('{tmp_path / 'scratch'}'))\n"
                 "for item in make_plan(c).items:\n    [c.get(n) for n in item.sources]\n"
                 "print(c.peak_shards_on_disk, len(c.shard_files))")

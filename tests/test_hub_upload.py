@@ -13,11 +13,11 @@ from huggingface_hub import ModelCard, constants
 from typer.testing import CliRunner
 
 from fake_hub import FakeHub
-from quantize_moe.cli import app
-from quantize_moe.model_card import VALIDATION_REPORT, build_card
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import build_tiny_checkpoint
+from quantize_moe.cli.app import app
+from quantize_moe.publish.model_card import VALIDATION_REPORT, build_card
+from quantize_moe.plan.plan import Options
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import build_tiny_checkpoint
 
 TOKEN = "hf_quantizeMoeTestTokenThatMustNeverBePrinted"
 
@@ -97,8 +97,8 @@ def test_base_model_and_revision_come_from_a_hub_snapshot(tmp_path):
     snapshot = tmp_path / "hub" / "models--org--tiny-moe" / "snapshots" / "abc123"
     build_tiny_checkpoint("qwen3_moe", snapshot)
     quantize_checkpoint(snapshot, tmp_path / "dst", Options(), show_progress=False)
-    from quantize_moe.checkpoint import Checkpoint
-    from quantize_moe.model_card import record_run
+    from quantize_moe.source.checkpoint import Checkpoint
+    from quantize_moe.publish.model_card import record_run
     record_run(tmp_path / "dst", Checkpoint(snapshot), str(snapshot), Options(experts_only=True))
     card = build_card(tmp_path / "dst")
     assert card.data.base_model == "org/tiny-moe" and card.data.base_model_relation == "quantized"

@@ -16,7 +16,7 @@ from moe_inputs import MODES, quantized, random_problem, relative_error
 from quantize_moe.kernels.configs import (
     CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table, per_gemm,
 )
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 from quantize_moe.moe.reference import FP8_MAX, dequantize_activation, fused_experts_reference, quantize_activation
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,17 +8,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 from transformers import AutoModelForCausalLM
 
 from quantize_moe.adapters import Kind, adapter_for
 from quantize_moe.adapters.fused import scale_name
-from quantize_moe.check import check_expert_weights
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.dequantize import dequantize_checkpoint
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import TINY_CONFIGS
+from quantize_moe.check.weights import check_expert_weights
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.adapters.reader import dequantize_checkpoint
+from quantize_moe.plan.plan import Options
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import TINY_CONFIGS
 
 FAMILIES = sorted(t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal)
 # Per-tensor native fp8 throughout; the other formats and schemes are tested in test_schemes.py.

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.plan import make_plan
-from quantize_moe.tiny import TINY_CONFIGS
+from quantize_moe.plan.plan import make_plan
+from quantize_moe.source.tiny import TINY_CONFIGS
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SHARDS = ("a.safetensors", "b.safetensors")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from quantize_moe.checkpoint import CONFIG_NAME
-from quantize_moe.digests import file_digest
-from quantize_moe.manifest import MANIFEST_NAME, Manifest
+from quantize_moe.source.checkpoint import CONFIG_NAME
+from quantize_moe.write.digests import file_digest
+from quantize_moe.write.manifest import MANIFEST_NAME, Manifest
 from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snapshot  # noqa: F401
 
 ARGS = ("--max-shard-size", SHARD_SIZE, "--no-progress")
@@ -42,7 +42,7 @@ def replace(tmp, final):
     if mine == n and when == "after":
         os.kill(os.getpid(), signal.SIGKILL)
 os.replace = replace
-from quantize_moe.cli import app
+from quantize_moe.cli.app import app
 app(sys.argv[3:])
 """
 

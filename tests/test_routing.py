@@ -62,9 +62,9 @@ from moe_blocks import assert_same_routing, expert_call
 from quantize_moe.adapters import adapter_for
 from quantize_moe.adapters.families import FAMILIES
 from quantize_moe.errors import UserError
-from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.routing import RoutingRule, route, select_experts
-from quantize_moe.tiny import TINY_CONFIGS
+from quantize_moe.source.tiny import TINY_CONFIGS
 
 HIDDEN = 32
 TOKENS = 37

@@ -8,17 +8,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from quantize_moe import fp8
-from quantize_moe.check import check_expert_weights
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.cli import app
-from quantize_moe.engines import LOADS, block_tp_sizes
+from quantize_moe.quantization import fp8
+from quantize_moe.check.weights import check_expert_weights
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.cli.app import app
+from quantize_moe.plan.compatibility import LOADS, block_tp_sizes
 from quantize_moe.errors import UserError
-from quantize_moe.formats import ignore_entries, read_quantization
-from quantize_moe.moe.quant_spec import expand_weight_scale
-from quantize_moe.plan import Options, make_plan
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.schemes import SCHEMES
+from quantize_moe.quantization.formats import ignore_entries, read_quantization
+from quantize_moe.quantization.spec import expand_weight_scale
+from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.quantization.schemes import SCHEMES
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.2"
 

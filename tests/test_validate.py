@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 from quantize_moe.adapters import adapter_for
-from quantize_moe.cli import app
-from quantize_moe.moe.loading import MoECheckpoint
-from quantize_moe.plan import Options, Plan
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import TINY_CONFIGS
-from quantize_moe.validate import validate
+from quantize_moe.cli.app import app
+from quantize_moe.check.moe_layers import MoECheckpoint
+from quantize_moe.plan.plan import Options, Plan
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import TINY_CONFIGS
+from quantize_moe.check.validate import validate
 
 runner = CliRunner()
 EXPERT = "model.layers.1.block_sparse_moe.experts.{e}.{p}.{t}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.validate import validate
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.check.validate import validate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize_moe.checkpoint import Checkpoint
-from quantize_moe.cli import app
-from quantize_moe.output import MANIFEST_NAME
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import build_tiny_checkpoint
-from quantize_moe.verify import EXIT_FAILED, EXIT_OK, EXIT_UNREADABLE, verify
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.cli.app import app
+from quantize_moe.write.destination import MANIFEST_NAME
+from quantize_moe.plan.plan import Options
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import build_tiny_checkpoint
+from quantize_moe.check.verify import EXIT_FAILED, EXIT_OK, EXIT_UNREADABLE, verify
 
 EXPERT = "model.layers.0.block_sparse_moe.experts.1"
 

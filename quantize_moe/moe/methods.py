@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
-from quantize_moe import fp8
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
+from quantize_moe.quantization import fp8
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
 # shard_kind values
 WEIGHT = "weight"  # [E, rows, cols]: w1 fills the first half of w13's rows, w3 the second

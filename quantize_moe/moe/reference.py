@@ -13,8 +13,8 @@ quantization error.
 import torch
 import torch.nn.functional as F
 
-from quantize_moe import fp8
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
+from quantize_moe.quantization import fp8
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -94,7 +94,7 @@ def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor,
     """FP8 expert weights [E, N, K] and their scales (shapes as in quant_spec.py), on w's device.
 
     For tests and test fixtures: each expert goes through the quantizer that
-    writes checkpoints (`quantize_moe.fp8`, on the CPU), so kernels are checked on the
+    writes checkpoints (`quantize_moe.quantization.fp8`, on the CPU), so kernels are checked on the
     weights the tool ships.
     """
     num_experts, rows, cols = w.shape

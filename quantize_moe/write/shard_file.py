@@ -44,9 +44,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from quantize_moe.checkpoint import SAFETENSORS_DTYPES
-from quantize_moe.output import PARTIAL_SUFFIX
-from quantize_moe.plan import OutputTensor
+from quantize_moe.source.checkpoint import SAFETENSORS_DTYPES
+from quantize_moe.write.destination import PARTIAL_SUFFIX
+from quantize_moe.plan.plan import OutputTensor
 
 COPY_BUFFER_BYTES = 64 << 20  # a multiple of every dtype's size
 HEADER_LENGTH_BYTES = 8  # the little-endian u64 that starts every safetensors file
@@ -198,7 +198,7 @@ def _open_direct(path: Path) -> int | None:
 class ShardFile:
     """One output shard under its temporary name: laid out at creation, filled tensor by tensor,
     renamed to its final name by `finish` once every tensor is written. It keeps the sha256 of its
-    header and of every tensor written, for the shard's digest (`quantize_moe.digests`)."""
+    header and of every tensor written, for the shard's digest (`quantize_moe.write.digests`)."""
 
     def __init__(self, path: Path, tensors: list[OutputTensor]):
         self.path = path

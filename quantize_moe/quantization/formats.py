@@ -13,8 +13,8 @@ import re
 import torch
 
 from quantize_moe.errors import UserError
-from quantize_moe.moe.quant_spec import UNQUANTIZED, MoEQuantSpec
-from quantize_moe.schemes import SCHEMES, Scheme
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
+from quantize_moe.quantization.schemes import SCHEMES, Scheme
 
 
 class NativeFp8Format:

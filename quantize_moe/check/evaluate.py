@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from quantize_moe.plan import Options
+from quantize_moe.plan.plan import Options
 
 
 @torch.no_grad()
@@ -31,9 +31,9 @@ def fp8_perplexity(src: Path, data: bytes, options: Options, workdir: Path,
     Returns the resolved options, how the model was loaded, and the perplexity."""
     from transformers import AutoModelForCausalLM
 
-    from quantize_moe.dequantize import dequantize_checkpoint
-    from quantize_moe.engines import loading_engines
-    from quantize_moe.quantize import quantize_checkpoint
+    from quantize_moe.adapters.reader import dequantize_checkpoint
+    from quantize_moe.plan.compatibility import loading_engines
+    from quantize_moe.write.job import quantize_checkpoint
 
     options = quantize_checkpoint(src, workdir / "fp8", options, show_progress=False).plan.options
     folder, how = workdir / "fp8", "transformers"

@@ -13,10 +13,10 @@ from huggingface_hub import HfApi, get_token
 
 from quantize_moe import __version__
 from quantize_moe.errors import UserError
-from quantize_moe.hub import HubSource, hub_errors
-from quantize_moe.manifest import Manifest
-from quantize_moe.model_card import write_card
-from quantize_moe.output import PARTIAL_SUFFIX
+from quantize_moe.source.hub import HubSource, hub_errors
+from quantize_moe.write.manifest import Manifest
+from quantize_moe.publish.model_card import write_card
+from quantize_moe.write.destination import PARTIAL_SUFFIX
 
 # hidden entries (streaming scratch, huggingface_hub's own state) and half-written files stay local
 NOT_UPLOADED = [".*", "*/.*", f"*{PARTIAL_SUFFIX}"]

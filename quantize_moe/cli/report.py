@@ -7,9 +7,9 @@ from collections import Counter
 from rich.table import Table
 
 from quantize_moe.console import human_bytes
-from quantize_moe.engines import LOADS, block_tp_sizes
-from quantize_moe.plan import Plan
-from quantize_moe.validate import ValidationReport
+from quantize_moe.plan.compatibility import LOADS, block_tp_sizes
+from quantize_moe.plan.plan import Plan
+from quantize_moe.check.validate import ValidationReport
 
 
 def _layer_ranges(layers: list[int]) -> str:

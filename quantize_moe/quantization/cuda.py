@@ -1,6 +1,6 @@
 """Weight quantization on a GPU: the `quantize_cells`/`grid_amax` backend of `schemes.Scheme`.
 
-Same arithmetic as `quantize_moe.fp8`, so the output is bit-identical: amax is
+Same arithmetic as `quantize_moe.quantization.fp8`, so the output is bit-identical: amax is
 exact, `scale = amax / 448` and `w / scale` are IEEE divisions (`div_rn`, as
 torch does on the CPU), values are clamped to +-448 and rounded to nearest-even
 by the cast. A weight is walked in tiles; a scale covers a cell of it (whole
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 
 TILE = (32, 256)  # rows, cols of a tile when cells are larger than a tile
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
 from quantize_moe.console import human_bytes
 from quantize_moe.errors import UserError
 

@@ -12,13 +12,13 @@ import torch
 import typer
 from transformers.utils.hub import convert_file_size_to_int
 
-from quantize_moe.check import check_expert_weights
+from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.console import console, count_progress, stdout
-from quantize_moe.engine import GPU_WORKERS_PER_DEVICE
+from quantize_moe.write.pipeline import GPU_WORKERS_PER_DEVICE
 from quantize_moe.errors import UserError
-from quantize_moe.plan import Options, make_plan
-from quantize_moe.report import decisions_table, overview_table, run_table, validation_table, verify_table
-from quantize_moe.validate import Thresholds
+from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, verify_table
+from quantize_moe.check.validate import Thresholds
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Quantize Hugging Face Mixture-of-Experts checkpoints to FP8 and prove them correct.")
@@ -95,9 +95,9 @@ def quantize(
 ) -> None:
     """Write an FP8 copy of SRC into DST: weights, scales, config.json with quantization_config,
     a manifest of every file's size and digest, a model card, and every other file of SRC unchanged."""
-    from quantize_moe.hub import open_source
-    from quantize_moe.model_card import record_run, write_card
-    from quantize_moe.quantize import quantize_checkpoint
+    from quantize_moe.source.hub import open_source
+    from quantize_moe.publish.model_card import record_run, write_card
+    from quantize_moe.write.job import quantize_checkpoint
 
     options = Options(experts_only=experts_only, scheme=scheme, format=format_,
                       max_shard_size=_shard_size(max_shard_size), adapter=adapter)
@@ -127,7 +127,7 @@ def upload(
 
 
 def _upload(dst: Path, repo_id: str, private: bool) -> None:
-    from quantize_moe.publish import upload as upload_folder
+    from quantize_moe.publish.upload import upload as upload_folder
 
     stdout.print(f"[green]uploaded[/] {upload_folder(dst, repo_id, private=private)}")
 
@@ -144,8 +144,8 @@ def verify(
     """Check DST for CI: structure, metadata, scales, shared gate/up scales, coverage, integrity and,
     with --against, numerics. Exit codes: 0 passed, 1 DST or SRC unreadable, 2 bad usage,
     3 a check failed."""
-    from quantize_moe.hub import open_source
-    from quantize_moe.verify import verify as verify_checkpoint
+    from quantize_moe.source.hub import open_source
+    from quantize_moe.check.verify import verify as verify_checkpoint
 
     source = open_source(against) if against else None
     report = verify_checkpoint(dst, source, adapter)
@@ -172,7 +172,7 @@ def inspect(
     which engines load the result. Reads metadata only (from the Hub: small files and shard headers,
     no shards). An unknown model_type is described as the generic adapter would read it."""
     from quantize_moe.adapters import is_known
-    from quantize_moe.hub import open_source
+    from quantize_moe.source.hub import open_source
 
     checkpoint = open_source(src, stream=True, allow_pickle=allow_pickle)
     shown = adapter or (None if is_known(checkpoint.raw_config) else "generic")
@@ -195,7 +195,7 @@ def dequantize(
 ) -> None:
     """Write a bf16 copy of an FP8 checkpoint, without scales or quantization_config: the way to
     requantize a checkpoint that is already FP8."""
-    from quantize_moe.dequantize import dequantize_checkpoint
+    from quantize_moe.adapters.reader import dequantize_checkpoint
 
     dequantize_checkpoint(src, dst, overwrite=overwrite)
     stdout.print(f"[green]wrote[/] {dst}")
@@ -208,8 +208,8 @@ def demo(
 ) -> None:
     """Build a small checkpoint of a real MoE family, quantize it, check it and print the report.
     Runs offline on a CPU."""
-    from quantize_moe.quantize import quantize_checkpoint
-    from quantize_moe.tiny import TINY_CONFIGS, build_tiny_checkpoint
+    from quantize_moe.write.job import quantize_checkpoint
+    from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
     if family not in TINY_CONFIGS:
         raise UserError(f"--family {family} has no demo checkpoint; choose one of {', '.join(TINY_CONFIGS)}.")
@@ -222,7 +222,7 @@ def demo(
         stdout.print(decisions_table(summary.plan))
         stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
         _report_weight_check(src, dst)
-        from quantize_moe.validate import validate as run_validation
+        from quantize_moe.check.validate import validate as run_validation
 
         report = run_validation(src, dst, tokens=256)
         stdout.print(validation_table(report))
@@ -251,7 +251,7 @@ def validate(
     """Run every MoE layer with the bf16 experts of SRC and the FP8 experts of DST through the same
     fused-MoE layer (Triton on a GPU, the torch reference otherwise) and report the error per layer.
     Exit code 0: every layer passed; 1: bad input; 2: bad usage; 3: some layer failed."""
-    from quantize_moe.validate import validate as run_validation
+    from quantize_moe.check.validate import validate as run_validation
 
     chosen = None
     if layers:

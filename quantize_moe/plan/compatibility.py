@@ -11,11 +11,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from quantize_moe.errors import UserError
-from quantize_moe.formats import FORMATS
-from quantize_moe.schemes import SCHEMES
+from quantize_moe.quantization.formats import FORMATS
+from quantize_moe.quantization.schemes import SCHEMES
 
 if TYPE_CHECKING:
-    from quantize_moe.plan import Options
+    from quantize_moe.plan.plan import Options
 
 AUTO = "auto"
 ENGINES = ("vLLM", "SGLang", "transformers")

@@ -2,7 +2,7 @@
 
 Each worker takes the next work item in plan order, reads its sources with one
 `pread` each into a buffer it owns, quantizes them on its device (the scheme
-calls `fp8` on the CPU, `cuda_quant` on a GPU) into an output buffer it owns,
+calls `fp8` on the CPU, `cuda` on a GPU) into an output buffer it owns,
 and writes the results in place into their output shard (`ShardFile`); the
 quantized weights sit in that buffer lined up with their place in the shard,
 so they are written direct, around the page cache. While
@@ -16,7 +16,7 @@ bounded chunk at a time through the same input buffer (checked for NaN/Inf on
 the way). Peak RSS is workers x the largest group, plus torch and Python.
 
 Each worker hashes what it writes, so a shard's digest for the manifest
-(`quantize_moe.digests`) is ready the moment its last tensor is written,
+(`quantize_moe.write.digests`) is ready the moment its last tensor is written,
 without reading the shard back.
 
 Which worker does which item changes nothing on disk: every tensor has its
@@ -43,11 +43,11 @@ from typing import Callable
 
 import torch
 
-from quantize_moe import fp8
-from quantize_moe.digests import shard_digest
+from quantize_moe.quantization import fp8
+from quantize_moe.write.digests import shard_digest
 from quantize_moe.errors import UserError
-from quantize_moe.plan import Plan, WorkItem
-from quantize_moe.tensor_files import (DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, data_offsets, placed,
+from quantize_moe.plan.plan import Plan, WorkItem
+from quantize_moe.write.shard_file import (DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, data_offsets, placed,
                                        read_into)
 
 # A GPU worker spends most of an item writing and waiting for the disk (quantizing takes milliseconds),
@@ -136,8 +136,8 @@ class Worker:
 
 
 def _cuda_backend():
-    from quantize_moe import cuda_quant  # imports triton: only where a GPU is used
-    return cuda_quant
+    from quantize_moe.quantization import cuda  # imports triton: only where a GPU is used
+    return cuda
 
 
 def _views(buffer: torch.Tensor, specs, file_offsets: list[int] | None = None) -> list[torch.Tensor]:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from quantize_moe import fp8
-from quantize_moe.moe.loading import MoECheckpoint
-from quantize_moe.moe.quant_spec import expand_weight_scale
+from quantize_moe.quantization import fp8
+from quantize_moe.check.moe_layers import MoECheckpoint
+from quantize_moe.quantization.spec import expand_weight_scale
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from quantize_moe.errors import UserError
 from quantize_moe.moe.layer import FusedMoE
-from quantize_moe.moe.loading import MoECheckpoint
+from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
 from quantize_moe.moe.routing import route
 

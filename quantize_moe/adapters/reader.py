@@ -15,12 +15,12 @@ import torch
 
 from quantize_moe.adapters import Kind, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.formats import read_quantization
-from quantize_moe.fp8 import FP8_DTYPE
-from quantize_moe.moe.quant_spec import expand_weight_scale
-from quantize_moe.output import (check_destination, copy_extra_files, extra_files, prepare_destination, write_json,
+from quantize_moe.quantization.formats import read_quantization
+from quantize_moe.quantization.fp8 import FP8_DTYPE
+from quantize_moe.quantization.spec import expand_weight_scale
+from quantize_moe.write.destination import (check_destination, copy_extra_files, extra_files, prepare_destination, write_json,
                                  write_shard)
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from quantize_moe import fp8
+from quantize_moe.quantization import fp8
 from quantize_moe.adapters import Kind
-from quantize_moe.check import check_expert_weights
-from quantize_moe.checkpoint import INDEX_NAME, Checkpoint, inside
-from quantize_moe.dequantize import SourceReader
+from quantize_moe.check.weights import check_expert_weights
+from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside
+from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
-from quantize_moe.inventory import Inventory, StoredTensor, take_inventory
-from quantize_moe.manifest import Manifest
-from quantize_moe.output import MANIFEST_NAME, PARTIAL_SUFFIX
-from quantize_moe.plan import scale_siblings
+from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
+from quantize_moe.write.manifest import Manifest
+from quantize_moe.write.destination import MANIFEST_NAME, PARTIAL_SUFFIX
+from quantize_moe.plan.plan import scale_siblings
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert", "ignore")
@@ -302,7 +302,7 @@ def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
     if not torch.cuda.is_available():
         return Finding("numerics: layer outputs", "skip", "no CUDA GPU; run `quantize-moe validate SRC DST` "
                        "to compare layer outputs on the CPU")
-    from quantize_moe.validate import validate
+    from quantize_moe.check.validate import validate
 
     report = validate(source.folder, inventory.checkpoint.folder, device="cuda", adapter=inventory.adapter)
     return _finding("numerics: layer outputs",

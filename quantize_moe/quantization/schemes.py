@@ -2,8 +2,8 @@
 
 A scheme is a cell shape (the part of a 2-D weight one scale covers) and
 whether a group of weights shares its scales. The arithmetic lives in a
-backend with one function, `quantize_cells` (`quantize_moe.fp8` on the CPU,
-`quantize_moe.cuda_quant` on a GPU), so every backend quantizes bit-identically.
+backend with one function, `quantize_cells` (`quantize_moe.quantization.fp8` on the CPU,
+`quantize_moe.quantization.cuda` on a GPU), so every backend quantizes bit-identically.
 
 The gate and up projections of one expert are quantized as a group: under the
 per-tensor scheme they share one scale (the max of their amax), which makes vLLM's
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantize_moe import fp8
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization import fp8
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
-from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.formats import read_quantization
+from quantize_moe.quantization.formats import read_quantization
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import method_for_spec
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 
 @dataclass

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import PerExpertFamily, TensorRole, adapter_for, parse_config
-from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.adapters.fused import scale_name
-from quantize_moe.dequantize import SCALE_SUFFIXES
-from quantize_moe.formats import read_quantization
-from quantize_moe.fp8 import FP8_DTYPE
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.adapters.reader import SCALE_SUFFIXES
+from quantize_moe.quantization.formats import read_quantization
+from quantize_moe.quantization.fp8 import FP8_DTYPE
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 
 @dataclass(frozen=True)

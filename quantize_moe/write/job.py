@@ -1,6 +1,6 @@
 """The main job: stream a checkpoint through the plan and write the FP8 checkpoint.
 
-The engine (`quantize_moe.engine`) holds a few work items (scale groups, e.g.
+The engine (`quantize_moe.write.pipeline`) holds a few work items (scale groups, e.g.
 gate and up of one expert) in memory at a time, never a whole shard, and writes
 them in place into their shards. Everything that can be checked without
 reading tensor data (SRC, the plan, DST, free space) is checked before the
@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantize_moe import engine
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.write import pipeline
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.console import byte_progress
-from quantize_moe.manifest import Manifest, run_fingerprint
-from quantize_moe.output import (check_destination, check_free_space, copy_extra_files, extra_files,
+from quantize_moe.write.manifest import Manifest, run_fingerprint
+from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,
                                  prepare_destination, replaced_files, write_json)
 from quantize_moe.errors import UserError
-from quantize_moe.plan import Options, Plan, make_plan
+from quantize_moe.plan.plan import Options, Plan, make_plan
 
 # Generous bound on the bytes one tensor adds to its shard's safetensors header and to the index,
 # beyond its name: free space is checked against payload plus this.
@@ -52,10 +52,10 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     (cpu, cuda, or cuda:0,cuda:1,...) with `workers` items in flight (default: one per core on the
     CPU, a few per GPU)."""
     start = time.perf_counter()
-    devices = engine.parse_devices(device)
+    devices = pipeline.parse_devices(device)
     if workers is not None and workers < 1:
         raise UserError(f"--workers {workers} must be at least 1.")
-    devices_started = engine.start_devices(devices)
+    devices_started = pipeline.start_devices(devices)
     checkpoint = src if isinstance(src, Checkpoint) else Checkpoint(src, allow_pickle=allow_pickle)
     src, dst = checkpoint.folder, Path(dst)
     plan = make_plan(checkpoint, options)
@@ -74,7 +74,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
         task = progress.add_task("quantizing", total=sum(i.input_bytes for i in plan.items))
         progress.advance(task, sum(item.input_bytes for name, items in zip(plan.shard_names, plan.shards)
                                    if name in finished for item in items))
-        engine.run(plan, dst, devices, workers or engine.default_workers(devices), skip=finished,
+        pipeline.run(plan, dst, devices, workers or pipeline.default_workers(devices), skip=finished,
                    on_item_done=lambda item: progress.advance(task, item.input_bytes),
                    on_shard_finished=manifest.record)
     weight_map = {o.name: name for name, items in zip(plan.shard_names, plan.shards)

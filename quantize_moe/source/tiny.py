@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
-from quantize_moe.checkpoint import CONFIG_NAME, INDEX_NAME
-from quantize_moe.moe.quant_spec import MoEQuantSpec
+from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME
+from quantize_moe.quantization.spec import MoEQuantSpec
 from quantize_moe.moe.reference import quantize_weight
 
 _ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,

@@ -16,13 +16,13 @@ from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, parse_config
 from quantize_moe.adapters.fused import scale_name
-from quantize_moe.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
-from quantize_moe.dequantize import SourceReader
-from quantize_moe.engines import AUTO, resolve_options
+from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.adapters.reader import SourceReader
+from quantize_moe.plan.compatibility import AUTO, resolve_options
 from quantize_moe.errors import UserError
-from quantize_moe.formats import FORMATS, read_quantization
-from quantize_moe.fp8 import FP8_DTYPE
-from quantize_moe.schemes import SCHEMES
+from quantize_moe.quantization.formats import FORMATS, read_quantization
+from quantize_moe.quantization.fp8 import FP8_DTYPE
+from quantize_moe.quantization.schemes import SCHEMES
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -3,7 +3,7 @@
 It lives in DST as `quantize-moe-manifest.json` and is rewritten (atomically) after
 every output shard is renamed into place, so after a kill at any point it lists
 exactly the shards that are whole. `--resume` keeps a shard only when the manifest
-lists it and the file on disk still has that size and digest (`quantize_moe.digests`:
+lists it and the file on disk still has that size and digest (`quantize_moe.write.digests`:
 a sha256 of the file, or for a shard one over its header and tensors); everything else is
 written again. When the run ends the manifest lists every file of the checkpoint
 and says `complete`, so a truncated or altered file is detectable later.
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quantize_moe import __version__
-from quantize_moe.digests import file_digest
+from quantize_moe.write.digests import file_digest
 from quantize_moe.errors import UserError
-from quantize_moe.output import MANIFEST_NAME, write_json
-from quantize_moe.plan import Plan
+from quantize_moe.write.destination import MANIFEST_NAME, write_json
+from quantize_moe.plan.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The `quantize-moe` command line and its tables."""

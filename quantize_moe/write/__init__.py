@@ -1,0 +1,1 @@
+"""Writing the output: the worker pipeline, shard files, digests, the manifest and the destination's safety."""
