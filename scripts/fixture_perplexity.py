@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from quantize_moe.plan.compatibility import LOADS
 from quantize_moe.check.evaluate import fp8_perplexity, heldout_perplexity
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 
 MODEL = "tiny-mixtral-trained"
 HELDOUT = "heldout-python-source.bin"

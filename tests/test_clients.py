@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrai
 from transformers.utils import logging as transformers_logging
 
 from quantize_moe.source.checkpoint import Checkpoint
-from quantize_moe.adapters.reader import dequantize_checkpoint
+from quantize_moe.write.dequantize import dequantize_checkpoint
 from quantize_moe.plan.compatibility import LOADS, loading_engines
 from quantize_moe.quantization.fp8 import FP8_DTYPE
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")

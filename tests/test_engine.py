@@ -15,11 +15,13 @@ from safetensors.torch import save, save_file
 from quantize_moe.quantization import fp8
 from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.plan.plan import Options, OutputTensor
+from quantize_moe.plan.plan import OutputTensor
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.quantization.schemes import SCHEMES
 from quantize_moe.write import shard_file
-from quantize_moe.write.shard_file import ShardFile, data_offsets, read_into, safetensors_header
+from quantize_moe.source.tensor_bytes import data_offsets, read_into
+from quantize_moe.write.shard_file import ShardFile, safetensors_header
 
 SMALL_SHARDS = 60_000
 

@@ -8,7 +8,7 @@ import torch
 from quantize_moe.quantization import cuda
 
 from quantize_moe.quantization import fp8
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.quantization.schemes import SCHEMES
 from test_engine import shard_bytes

@@ -19,7 +19,7 @@ from moe_blocks import expert_call
 from quantize_moe.adapters import Kind
 from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.source.checkpoint import Checkpoint
-from quantize_moe.adapters.reader import dequantize_checkpoint
+from quantize_moe.write.dequantize import dequantize_checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference

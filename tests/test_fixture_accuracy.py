@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from quantize_moe.plan.compatibility import LOADS
 from quantize_moe.check.evaluate import fp8_perplexity, heldout_perplexity
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 
 WINDOWS = 8  # of the script's 64: the ratio is paired over the same windows, so it is stable
 

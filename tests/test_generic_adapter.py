@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.cli.app import app
-from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.plan.plan import make_plan
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.check.validate import validate
 

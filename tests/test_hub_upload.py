@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from fake_hub import FakeHub
 from quantize_moe.cli.app import app
 from quantize_moe.publish.model_card import VALIDATION_REPORT, build_card
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import build_tiny_checkpoint
 

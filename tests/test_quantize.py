@@ -15,8 +15,8 @@ from quantize_moe.adapters import Kind, adapter_for
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.source.checkpoint import Checkpoint
-from quantize_moe.adapters.reader import dequantize_checkpoint
-from quantize_moe.plan.plan import Options
+from quantize_moe.write.dequantize import dequantize_checkpoint
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS
 

@@ -16,7 +16,8 @@ from quantize_moe.plan.compatibility import LOADS, block_tp_sizes
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import ignore_entries, read_quantization
 from quantize_moe.quantization.spec import expand_weight_scale
-from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.plan.plan import make_plan
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.quantization.schemes import SCHEMES
 

@@ -14,7 +14,8 @@ from quantize_moe.quantization import fp8
 from quantize_moe.adapters import adapter_for
 from quantize_moe.cli.app import app
 from quantize_moe.check.moe_layers import MoECheckpoint
-from quantize_moe.plan.plan import Options, Plan
+from quantize_moe.plan.plan import Plan
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS
 from quantize_moe.check.validate import validate

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.cli.app import app
 from quantize_moe.write.destination import MANIFEST_NAME
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import build_tiny_checkpoint
 from quantize_moe.check.verify import EXIT_FAILED, EXIT_OK, EXIT_UNREADABLE, verify

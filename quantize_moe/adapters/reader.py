@@ -1,27 +1,23 @@
-"""Read any supported checkpoint in high precision, and write FP8 checkpoints back as bf16.
+"""Any supported checkpoint read in high precision, the family's fused layouts and scales included.
 
 `SourceReader` is the one place FP8 weights become floats again: per-tensor,
 per-channel and 128x128-block scales (DeepSeek-V3, Kimi-K2 and Qwen FP8 releases
 ship `weight_scale_inv` blocks), and the per-expert scales of fused expert
 tensors. `quantize` reads a pre-quantized SRC through it (dequantize, then
-requantize into the requested scheme); `dequantize` writes what it reads.
+requantize into the requested scheme); `write.dequantize` writes what it reads.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
 from quantize_moe.adapters import Kind, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.spec import expand_weight_scale
-from quantize_moe.write.destination import (check_destination, copy_extra_files, extra_files, prepare_destination, write_json,
-                                 write_shard)
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -86,31 +82,3 @@ class SourceReader:
 
     def close(self) -> None:
         self.checkpoint.close()
-
-
-def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16, *,
-                          overwrite: bool = False) -> None:
-    """Write SRC into DST in `dtype`, shard by shard, without scales or quantization_config."""
-    src, dst = Path(src), Path(dst)
-    reader = SourceReader(Checkpoint(src), dtype)
-    checkpoint = reader.checkpoint
-    if not reader.quantized:
-        raise UserError(f"'{src / CONFIG_NAME}' has no quantization_config: SRC is not quantized, so there "
-                        "is nothing to dequantize.")
-    extras = extra_files(checkpoint)
-    check_destination(src, dst, overwrite=overwrite, resume=False)
-    prepare_destination(dst, overwrite=overwrite)
-    weight_map, total = {}, 0
-    names = set(reader.names)
-    for file in checkpoint.shard_files:
-        tensors = {name: reader.get(name) for name, info in checkpoint.tensors.items()
-                   if info.file == file and name in names}
-        total += sum(t.nbytes for t in tensors.values())
-        write_shard(dst / file, tensors)
-        weight_map.update(dict.fromkeys(tensors, file))
-    copy_extra_files(checkpoint, dst, extras)
-    if (src / INDEX_NAME).exists():
-        write_json(dst / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    config = {k: v for k, v in checkpoint.raw_config.items() if k != "quantization_config"}
-    write_json(dst / CONFIG_NAME, config)
-    reader.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 
 
 @torch.no_grad()
@@ -31,7 +31,7 @@ def fp8_perplexity(src: Path, data: bytes, options: Options, workdir: Path,
     Returns the resolved options, how the model was loaded, and the perplexity."""
     from transformers import AutoModelForCausalLM
 
-    from quantize_moe.adapters.reader import dequantize_checkpoint
+    from quantize_moe.write.dequantize import dequantize_checkpoint
     from quantize_moe.plan.compatibility import loading_engines
     from quantize_moe.write.job import quantize_checkpoint
 

@@ -16,7 +16,8 @@ from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.console import console, count_progress, stdout
 from quantize_moe.write.pipeline import GPU_WORKERS_PER_DEVICE
 from quantize_moe.errors import UserError
-from quantize_moe.plan.plan import Options, make_plan
+from quantize_moe.plan.plan import make_plan
+from quantize_moe.plan.options import Options
 from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, verify_table
 from quantize_moe.check.validate import Thresholds
 
@@ -195,7 +196,7 @@ def dequantize(
 ) -> None:
     """Write a bf16 copy of an FP8 checkpoint, without scales or quantization_config: the way to
     requantize a checkpoint that is already FP8."""
-    from quantize_moe.adapters.reader import dequantize_checkpoint
+    from quantize_moe.write.dequantize import dequantize_checkpoint
 
     dequantize_checkpoint(src, dst, overwrite=overwrite)
     stdout.print(f"[green]wrote[/] {dst}")

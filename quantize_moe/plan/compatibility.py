@@ -8,16 +8,12 @@ tests/test_clients.py. A combination missing from it is read by no engine and re
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from quantize_moe.errors import UserError
+from quantize_moe.plan.options import AUTO, Options
 from quantize_moe.quantization.formats import FORMATS
 from quantize_moe.quantization.schemes import SCHEMES
 
-if TYPE_CHECKING:
-    from quantize_moe.plan.plan import Options
-
-AUTO = "auto"
 ENGINES = ("vLLM", "SGLang", "transformers")
 TP_SIZES = (1, 2, 4, 8, 16)
 

@@ -18,13 +18,13 @@ from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRol
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.adapters.reader import SourceReader
-from quantize_moe.plan.compatibility import AUTO, resolve_options
+from quantize_moe.plan.compatibility import resolve_options
+from quantize_moe.plan.options import Options
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import FORMATS, read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.schemes import SCHEMES
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Sibling Linears that engines fuse into one module (and requantize to one scale at load):
@@ -45,18 +45,6 @@ def scale_siblings(role: TensorRole) -> frozenset[str] | None:
         return GATE_UP
     leaf = role.module.rpartition(".")[2]
     return next((s for s in FUSED_SIBLINGS if leaf in s), None)
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the user asked for; `make_plan` resolves `auto` scheme and format per checkpoint and
-    `Plan.options` carries the resolved choice."""
-
-    experts_only: bool = False
-    scheme: str = AUTO
-    format: str = AUTO
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    adapter: str | None = None  # "generic": the generic adapter instead of the model_type's family
 
 
 @dataclass(frozen=True)

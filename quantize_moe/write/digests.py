@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from quantize_moe.write.shard_file import tensor_regions
+from quantize_moe.source.tensor_bytes import tensor_regions
 
 READ_CHUNK_BYTES = 16 << 20
 

@@ -21,7 +21,8 @@ from quantize_moe.write.manifest import Manifest, run_fingerprint
 from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,
                                  prepare_destination, replaced_files, write_json)
 from quantize_moe.errors import UserError
-from quantize_moe.plan.plan import Options, Plan, make_plan
+from quantize_moe.plan.plan import Plan, make_plan
+from quantize_moe.plan.options import Options
 
 # Generous bound on the bytes one tensor adds to its shard's safetensors header and to the index,
 # beyond its name: free space is checked against payload plus this.

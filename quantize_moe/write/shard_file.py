@@ -22,10 +22,6 @@ do not line up, a tensor is written through the page cache and written behind
 safetensors' serializer only writes whole files, so the header is assembled
 here from what the serializer says about one-element stand-ins
 (`safetensors_header`).
-
-Where a tensor lies comes from `safe_open(...).offset_keys()` (tensors in data
-order) and the format's rule that the data region holds them back to back with
-no gaps and ends the file.
 """
 
 from __future__ import annotations
@@ -34,17 +30,15 @@ import ctypes
 import errno
 import hashlib
 import json
-import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from quantize_moe.source.checkpoint import SAFETENSORS_DTYPES
+from quantize_moe.source.tensor_bytes import as_bytes, data_offsets, read_into
 from quantize_moe.write.destination import PARTIAL_SUFFIX
 from quantize_moe.plan.plan import OutputTensor
 
@@ -117,53 +111,6 @@ def written_behind(fd: int, offset: int, count: int):
         os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
 
 
-def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
-    """File offset of each tensor's first byte, in file order; `sizes` are the byte sizes of all
-    tensors in the file."""
-    with safe_open(path, framework="pt") as f:
-        return _offsets(path, f.offset_keys(), sizes)
-
-
-def _offsets(path: Path, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
-    """The data region holds the tensors back to back and ends the file."""
-    offset = os.path.getsize(path) - sum(sizes[name] for name in order)
-    offsets = {}
-    for name in order:
-        offsets[name] = offset
-        offset += sizes[name]
-    return offsets
-
-
-def tensor_regions(path: Path) -> dict[str, tuple[int, int]] | None:
-    """(offset, byte size) of every tensor of a safetensors file in file order, or None when safetensors
-    cannot read the file or it holds a dtype torch lacks."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            order = f.offset_keys()
-            slices = {name: f.get_slice(name) for name in order}
-            sizes = {name: SAFETENSORS_DTYPES[s.get_dtype()].itemsize * math.prod(s.get_shape())
-                     for name, s in slices.items()}
-    except (SafetensorError, KeyError):
-        return None
-    return {name: (offset, sizes[name]) for name, offset in _offsets(path, order, sizes).items()}
-
-
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy (the caller keeps `tensor` alive)."""
-    assert tensor.is_contiguous() and tensor.device.type == "cpu"
-    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor `out` with the bytes at `offset` of `fd`."""
-    view = _as_bytes(out)
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise EOFError(f"file ended {len(view)} bytes early at offset {offset}")
-        view, offset = view[n:], offset + n
-
-
 def write_all_at(fd: int, offset: int, view: memoryview | bytes) -> None:
     view = memoryview(view)
     while view:
@@ -220,7 +167,7 @@ class ShardFile:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         with self._writing(self.offsets[name], tensor.view(-1).view(torch.uint8)):
-            self.tensor_sha256[name] = hashlib.sha256(_as_bytes(tensor)).digest()
+            self.tensor_sha256[name] = hashlib.sha256(as_bytes(tensor)).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int, scratch: torch.Tensor,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -236,7 +183,7 @@ class ShardFile:
             if check is not None:
                 check(chunk)
             with self._writing(offset, chunk):
-                digest.update(_as_bytes(chunk))
+                digest.update(as_bytes(chunk))
             src_offset, offset, count = src_offset + len(chunk), offset + len(chunk), count - len(chunk)
         self.tensor_sha256[name] = digest.digest()
 
@@ -244,7 +191,7 @@ class ShardFile:
     def _writing(self, offset: int, data: torch.Tensor):
         """Around work that needs no disk (hashing `data`): write the bytes `data` at `offset`, their
         whole pages direct where they line up (`placed`), else all of them written behind."""
-        view, count = _as_bytes(data), len(data)
+        view, count = as_bytes(data), len(data)
         head = -offset % DIRECT_ALIGNMENT
         body = max(0, count - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
         lined_up = (self.direct and count >= DIRECT_MIN_BYTES and body > 0
