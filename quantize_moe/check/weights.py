@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from quantize_moe.quantization import fp8
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.quantization.spec import expand_weight_scale

@@ -1,0 +1,1 @@
+"""The fused-MoE layer (the seed design): one module owning a layer's experts, quantization-method objects, the one weight loader, the torch reference and the families' routing rules; the Triton kernels are `quantize_moe.kernels`."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from quantize_moe import __version__
-from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.console import human_bytes
 from quantize_moe.plan.compatibility import LOADS, loading_engines
 from quantize_moe.errors import UserError
@@ -24,7 +24,7 @@ from quantize_moe.source.hub import HubSource
 from quantize_moe.check.inventory import Inventory, take_inventory
 from quantize_moe.write.manifest import Manifest
 from quantize_moe.write.destination import write_text
-from quantize_moe.plan.plan import Options
+from quantize_moe.plan.options import Options
 
 RUN_RECORD = "quantize_moe_run.json"
 VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json DST/validation.json`
