@@ -1,4 +1,4 @@
-"""Tensor bytes read and written in place inside safetensors files.
+"""Output shards laid out and filled in place: safetensors header first, then each tensor at its offset.
 
 The engine never holds a whole shard. It reads each source tensor with one
 `pread` into a buffer it reuses, and writes an output shard in two steps: the
