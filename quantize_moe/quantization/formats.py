@@ -50,8 +50,9 @@ class CompressedTensorsFormat:
     """llm-compressor's `compressed-tensors` float-quantized format, with dynamic activations.
 
     Scales are stored in the model's dtype, as compressed-tensors writes them; a per-tensor
-    scale is a 1-element vector. Activations are quantized dynamically (per token, or per
-    128-channel group under block weights), so no calibration data is needed.
+    scale is a 1-element vector. Activations are quantized dynamically (per token; per tensor
+    under tensor weights; per 128-channel group under block weights), so no calibration data
+    is needed.
     """
 
     name = "compressed-tensors"
@@ -74,6 +75,8 @@ class CompressedTensorsFormat:
         if scheme.name == "block":
             weights["block_structure"] = list(scheme.block)
             activations.update(strategy="group", group_size=scheme.block[1])
+        elif scheme.name == "tensor":  # vLLM's MoE method takes tensor weights with tensor activations only
+            activations["strategy"] = "tensor"
         return {"quant_method": "compressed-tensors", "format": "float-quantized",
                 "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
