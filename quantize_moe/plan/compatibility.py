@@ -1,8 +1,9 @@
 """Which engines load which (format, scheme), and the choice that loads in the most of them.
 
-The table follows the engines' sources (vLLM 0.33, SGLang 0.5.23, transformers 5.24;
-see ../shared/reference/fp8-formats.md §5); the transformers entries are proven by
-tests/test_clients.py. A combination missing from it is read by no engine and refused.
+Every "yes" is proven by a test that loads our output in that engine (PROVEN_BY): vLLM 0.32's CPU
+build by tests/test_vllm_client.py, transformers by tests/test_clients.py; SGLang has not been run
+(../shared/reference/fp8-formats.md §5 says what its sources read). A combination missing from
+the table is read by no engine and refused.
 """
 
 from __future__ import annotations
@@ -17,18 +18,37 @@ from quantize_moe.quantization.schemes import SCHEMES
 ENGINES = ("vLLM", "SGLang", "transformers")
 TP_SIZES = (1, 2, 4, 8, 16)
 
-# (format, scheme) -> per engine: "yes" or why not; listed in order of preference when as many engines load.
+# (format, scheme) -> per engine: "yes" (a test in PROVEN_BY loads it there) or why not; listed in order of
+# preference when as many engines load. The README's "Formats and schemes" table is rendered from it.
+NOT_VERIFIED = "not verified"
 LOADS: dict[tuple[str, str], dict[str, str]] = {
-    ("fp8", "block"): {"vLLM": "yes", "SGLang": "yes", "transformers": "yes"},
-    ("compressed-tensors", "channel"): {"vLLM": "yes", "SGLang": "not verified",
-                                        "transformers": "yes"},
-    ("compressed-tensors", "tensor"): {"vLLM": "yes", "SGLang": "not verified",
-                                       "transformers": "yes"},
-    ("fp8", "tensor"): {"vLLM": "yes", "SGLang": "yes",
+    ("fp8", "block"): {"vLLM": "yes", "SGLang": NOT_VERIFIED, "transformers": "yes"},
+    ("compressed-tensors", "channel"): {"vLLM": "yes", "SGLang": NOT_VERIFIED, "transformers": "yes"},
+    ("compressed-tensors", "tensor"): {"vLLM": "yes", "SGLang": NOT_VERIFIED, "transformers": "yes"},
+    ("fp8", "tensor"): {"vLLM": "yes", "SGLang": NOT_VERIFIED,
                         "transformers": "no: it reads weight_scale_inv, not weight_scale"},
-    ("compressed-tensors", "block"): {"vLLM": "yes", "SGLang": "not verified",
+    ("compressed-tensors", "block"): {"vLLM": "yes", "SGLang": NOT_VERIFIED,
                                       "transformers": "no: block-scaled MoE experts fail to load"},
 }
+PROVEN_BY = {"vLLM": "tests/test_vllm_client.py", "transformers": "tests/test_clients.py"}
+ON_DISK = {
+    ("fp8", "block"): "`weight_scale_inv` float32 `[ceil(N/128), ceil(K/128)]`, `weight_block_size: [128, 128]`",
+    ("compressed-tensors", "channel"): "`weight_scale` in the model dtype `[N, 1]`, dynamic per-token activations",
+    ("compressed-tensors", "tensor"): "`weight_scale` in the model dtype `[1]`, dynamic per-tensor activations",
+    ("fp8", "tensor"): "`weight_scale` float32 scalar (AutoFP8 style)",
+    ("compressed-tensors", "block"): "`weight_scale` in the model dtype, 128x128 blocks, dynamic group-128 "
+                                     "activations",
+}
+
+
+def compatibility_table() -> str:
+    """The README's table of formats and schemes: what is on disk and, per engine, the test that loads
+    it there or why not."""
+    lines = [f"| `--format` / `--scheme` | on disk | {' | '.join(ENGINES)} |", "|---|---|" + "---|" * len(ENGINES)]
+    for (fmt, scheme), verdicts in LOADS.items():
+        cells = [f"yes (`{PROVEN_BY[e]}`)" if verdicts[e] == "yes" else verdicts[e] for e in ENGINES]
+        lines.append(f"| `{fmt}` / `{scheme}` | {ON_DISK[(fmt, scheme)]} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
 
 
 FUSED_EXPERTS = ("fp8", "tensor")  # the one combination engines load for fused 3-D expert tensors
