@@ -51,6 +51,11 @@ def test_demo_runs_offline():
     assert "Routed experts: dequantized FP8 vs original" in result.output and "NO" not in result.output
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_demo_offers_no_family_that_quantize_refuses(family):
+    assert_user_error(invoke("demo", "--family", family), f"--family {family} has no demo checkpoint", "mixtral")
+
+
 def test_unknown_family_with_experts_asks_for_the_generic_adapter(tiny_checkpoint, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_checkpoint("mixtral"), src)

@@ -212,8 +212,12 @@ def demo(
     from quantize_moe.write.job import quantize_checkpoint
     from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
-    if family not in TINY_CONFIGS:
-        raise UserError(f"--family {family} has no demo checkpoint; choose one of {', '.join(TINY_CONFIGS)}.")
+    from quantize_moe.adapters import adapter_for
+
+    # gpt-oss and Llama-4: `quantize` refuses them (no engine loads their fused experts in FP8)
+    choices = [t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal]
+    if family not in choices:
+        raise UserError(f"--family {family} has no demo checkpoint; choose one of {', '.join(choices)}.")
     with tempfile.TemporaryDirectory(prefix="quantize-moe-demo-") as tmp:
         src, dst = Path(tmp) / "bf16", Path(tmp) / "fp8"
         console.print(f"building a tiny {family} checkpoint with transformers in {src}")
