@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from quantize_moe.engines import LOADS, PROVEN_BY, compatibility_table
+from quantize_moe.plan.compatibility import LOADS, PROVEN_BY, compatibility_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

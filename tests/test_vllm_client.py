@@ -25,10 +25,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize_moe.engines import LOADS, loading_engines
-from quantize_moe.plan import Options
-from quantize_moe.quantize import quantize_checkpoint
-from quantize_moe.tiny import build_tiny_checkpoint
+from quantize_moe.plan.compatibility import LOADS, loading_engines
+from quantize_moe.plan.options import Options
+from quantize_moe.write.job import quantize_checkpoint
+from quantize_moe.source.tiny import build_tiny_checkpoint
 
 DRIVER = Path(__file__).parent / "vllm_client" / "driver.py"
 FOR_VLLM = [c for c in LOADS if "vLLM" in loading_engines(*c)]
