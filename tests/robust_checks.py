@@ -56,7 +56,7 @@ def assert_refused(result, *fragments: str) -> str:
     """Exit code 1 and only one error sentence on the terminal, containing every fragment."""
     text = " ".join(result.output.split())
     assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert text.startswith("error: ") and text.endswith("."), text
     assert text.count("error:") == 1, text
     for fragment in fragments:

@@ -39,7 +39,7 @@ def disguise(src: Path, dst: Path, rename=lambda name: name, **config) -> Path:
 
 
 def invoke(*args):
-    result = CliRunner().invoke(app, [str(a) for a in args])
+    result = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)  # a crash fails here
     return result, " ".join(result.output.split())
 
 
@@ -89,7 +89,7 @@ def test_inspect_shows_the_generic_reading_and_quantize_needs_the_option(tiny_ch
                      "shared_expert_gate: a 1-row gate", "shared expert", "router", "--adapter generic"):
         assert fragment in text, fragment
     result, text = invoke("quantize", src, tmp_path / "dst", "--no-progress")
-    assert result.exit_code == 1 and "pass --adapter generic" in text and "Traceback" not in text
+    assert result.exit_code == 1 and "pass --adapter generic" in text
     assert not (tmp_path / "dst").exists()
 
 
@@ -128,7 +128,7 @@ def test_refusals_name_the_reason(tiny_checkpoint, tmp_path, rename, config, fra
     src = disguise(tiny_checkpoint("qwen3_moe"), tmp_path / "src", rename, **config)
     for command in (("inspect", src), ("quantize", src, tmp_path / "dst", "--adapter", "generic")):
         result, text = invoke(*command)
-        assert result.exit_code == 1 and "Traceback" not in text, result.output
+        assert result.exit_code == 1, result.output
         for fragment in fragments:
             assert fragment in text, (fragment, text)
     assert not (tmp_path / "dst").exists()

@@ -169,10 +169,10 @@ def test_inspect_shows_engines_and_tensor_parallel_sizes(block_friendly):
 
 def test_quantize_cli_refuses_a_combination_in_one_sentence(narrow_mixtral, tmp_path):
     result = CliRunner().invoke(app, ["quantize", str(narrow_mixtral), str(tmp_path / "out"), "--format", "fp8",
-                                      "--scheme", "channel"], env={"COLUMNS": "200"})
+                                      "--scheme", "channel"], env={"COLUMNS": "200"}, catch_exceptions=False)
     assert result.exit_code == 1
     assert "error: --format fp8 stores only tensor or block scales" in result.output
-    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_block_scale_grid_of_a_partial_block_weight_is_rounded_up():
