@@ -2,12 +2,15 @@
 
 It serves one model repo from a folder (repo info, tree, file resolution with
 ranges) and accepts uploads (repo creation, preupload, LFS batch and PUT, commit),
-recording every request huggingface_hub makes. It binds 127.0.0.1 only and shuts
+recording every request huggingface_hub makes. Like the Hub, it refuses an LFS object whose bytes
+do not hash to its oid or have another size than the batch announced, and a commit naming an LFS
+object that was never uploaded (HTTP 422, which huggingface_hub raises). It binds 127.0.0.1 only and shuts
 itself down after `lifetime_s`, so a stuck test cannot leave it running.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import threading
@@ -33,7 +36,9 @@ class FakeHub:
     served: Path | None = None  # folder whose files the repo holds
     lifetime_s: float = 120.0
     requests: list[Request] = field(default_factory=list)
-    uploaded: dict[str, bytes] = field(default_factory=dict)  # LFS oid -> bytes
+    uploaded: dict[str, bytes] = field(default_factory=dict)  # LFS oid -> bytes, each checked against its oid
+    announced: dict[str, int] = field(default_factory=dict)  # LFS oid -> size, from the batch request
+    committed: dict[str, bytes] = field(default_factory=dict)  # path -> bytes of the accepted commit
 
     def __enter__(self) -> "FakeHub":
         hub = self
@@ -71,7 +76,10 @@ class FakeHub:
 
             def do_PUT(self):
                 body = self._record()
-                hub.uploaded[self.path.rsplit("/", 1)[-1]] = body
+                oid = self.path.rsplit("/", 1)[-1]
+                if hashlib.sha256(body).hexdigest() != oid or hub.announced.get(oid) != len(body):
+                    return self._json({"error": f"LFS object {oid}: bytes do not match its oid or size"}, 400)
+                hub.uploaded[oid] = body
                 self._reply(200)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -136,13 +144,33 @@ class FakeHub:
                                             for f in files]})
         if path.endswith(".git/info/lfs/objects/batch"):
             objects = json.loads(body)["objects"]
+            self.announced.update({o["oid"]: o["size"] for o in objects})
             return handler._json({"transfer": "basic", "objects": [
                 {"oid": o["oid"], "size": o["size"],
                  "actions": {"upload": {"href": f"{self.endpoint}/lfs-upload/{o['oid']}"}}} for o in objects]})
         if "/commit/" in path:
+            try:
+                self.committed = self._commit_files(body)
+            except ValueError as e:
+                return handler._json({"error": str(e)}, 422)
             return handler._json({"commitUrl": f"{self.endpoint}/{self.repo_id}/commit/{COMMIT}",
                                   "commitOid": COMMIT})
         handler._reply(404)
+
+    def _commit_files(self, body: bytes) -> dict[str, bytes]:
+        """path -> bytes of a commit's files; ValueError for an LFS pointer to an object never uploaded."""
+        files = {}
+        for op in (json.loads(line) for line in body.decode().splitlines() if line):
+            value = op["value"]
+            if op["key"] == "file":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif op["key"] == "lfsFile":
+                data = self.uploaded.get(value["oid"])
+                if data is None or len(data) != value["size"]:
+                    raise ValueError(f"{value['path']}: LFS object {value['oid']} of {value['size']} bytes "
+                                     "was never uploaded")
+                files[value["path"]] = data
+        return files
 
     def commit_operations(self) -> list[dict]:
         """The operations of the commit request, one per line of its NDJSON body."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 from huggingface_hub import ModelCard, constants
@@ -53,7 +56,10 @@ def test_upload_creates_the_repo_uploads_shards_by_lfs_and_never_prints_the_toke
     committed = {op["value"]["path"]: op for op in operations if op["key"] in ("file", "lfsFile")}
     shards = sorted(p.name for p in quantized.glob("*.safetensors"))
     assert all(committed[s]["key"] == "lfsFile" for s in shards)
-    assert sorted(len(b) for b in hub.uploaded.values()) == sorted((quantized / s).stat().st_size for s in shards)
+    # The fake refuses objects that do not hash to their oid and commits naming objects never uploaded,
+    # so what it accepted is byte for byte what is on disk.
+    assert all(hub.committed[s] == (quantized / s).read_bytes() for s in shards)
+    assert hub.committed["config.json"] == (quantized / "config.json").read_bytes()
     assert {"README.md", "config.json", "model.safetensors.index.json"} <= set(committed)
     assert not any(p.startswith(".") or p.endswith(".partial") for p in committed)
 
@@ -104,3 +110,28 @@ def test_base_model_and_revision_come_from_a_hub_snapshot(tmp_path):
     assert card.data.base_model == "org/tiny-moe" and card.data.base_model_relation == "quantized"
     assert "at `abc123`" in card.text
     assert "quantize-moe quantize org/tiny-moe dst --experts-only" in card.text
+
+
+def test_fake_hub_refuses_bytes_that_are_not_their_oid_and_commits_of_objects_never_uploaded():
+    """The upload test trusts the fake's strictness; this is where that strictness can fail."""
+    data = b"shard bytes"
+    oid = hashlib.sha256(data).hexdigest()
+    op = json.dumps({"key": "lfsFile", "value": {"path": "model.safetensors", "algo": "sha256", "oid": oid,
+                                                 "size": len(data)}}).encode()
+
+    def send(hub, method, path, body):
+        request = urllib.request.Request(hub.endpoint + path, data=body, method=method)
+        try:
+            return urllib.request.urlopen(request).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with FakeHub(repo_id="org/x") as hub:
+        commit = "/api/models/org/x/commit/main"
+        assert send(hub, "POST", commit, op) == 422
+        batch = json.dumps({"objects": [{"oid": oid, "size": len(data)}]}).encode()
+        assert send(hub, "POST", "/org/x.git/info/lfs/objects/batch", batch) == 200
+        assert send(hub, "PUT", f"/lfs-upload/{oid}", b"other bytes") == 400
+        assert send(hub, "POST", commit, op) == 422
+        assert send(hub, "PUT", f"/lfs-upload/{oid}", data) == 200
+        assert send(hub, "POST", commit, op) == 200 and hub.committed == {"model.safetensors": data}
