@@ -1,13 +1,17 @@
 """Fuzz the checkpoint reader: whatever the headers, index and config say, opening and
-planning either succeeds or raises the one clear `UserError`, never anything else."""
+planning either succeeds or raises the one clear `UserError` naming the file (or field) at fault,
+never anything else. The config fuzz runs over a real tiny Mixtral shard, so examples that keep
+the config consistent reach a plan; the test counts them."""
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +20,7 @@ from safetensors.torch import save
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.plan.plan import make_plan
-from quantize_moe.source.tiny import TINY_CONFIGS
+from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SHARDS = ("a.safetensors", "b.safetensors")
@@ -34,11 +38,12 @@ file_names = st.sampled_from([*SHARDS, "missing.safetensors", "../a.safetensors"
                               "sub/../a.safetensors", "a\x00.safetensors", "config.json"]) | st.text(max_size=12)
 
 
-def opens_or_refuses(folder: Path) -> None:
+def opens_or_refuses(folder: Path, *names: str) -> None:
+    """Opening succeeds, or the UserError names one of `names` (the file at fault)."""
     try:
         Checkpoint(folder)
-    except UserError:
-        pass
+    except UserError as e:
+        assert any(name in str(e) for name in names), str(e)
 
 
 @st.composite
@@ -54,7 +59,7 @@ def shard_bytes(draw) -> bytes:
 def test_malformed_shard_headers(data):
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / SINGLE_NAME).write_bytes(data)
-        opens_or_refuses(Path(tmp))
+        opens_or_refuses(Path(tmp), SINGLE_NAME)
 
 
 @FUZZ
@@ -66,7 +71,7 @@ def test_damaged_valid_shard(cut, flips):
         data[position] ^= mask
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / SINGLE_NAME).write_bytes(bytes(data[:cut] if cut % 2 else data))
-        opens_or_refuses(Path(tmp))
+        opens_or_refuses(Path(tmp), SINGLE_NAME)
 
 
 @FUZZ
@@ -79,20 +84,46 @@ def test_malformed_indexes(index):
         for shard in SHARDS:
             (folder / shard).write_bytes(VALID)
         (folder / INDEX_NAME).write_text(json.dumps(index))
-        opens_or_refuses(folder)
+        opens_or_refuses(folder, INDEX_NAME, "The index", *SHARDS)
 
 
-@FUZZ
-@given(changes=st.dictionaries(st.sampled_from(["model_type", "num_local_experts", "num_hidden_layers",
-                                                "hidden_size", "intermediate_size", "num_experts_per_tok",
-                                                "quantization_config", "auto_map"]), json_values, min_size=1,
-                               max_size=3))
-def test_malformed_configs(changes):
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        (folder / SINGLE_NAME).write_bytes(VALID)
-        (folder / CONFIG_NAME).write_text(json.dumps({"model_type": "mixtral", **TINY_CONFIGS["mixtral"], **changes}))
-        try:
-            make_plan(Checkpoint(folder))
-        except UserError:
-            pass
+# Values the tiny Mixtral really has come first, drawn twice as often as arbitrary JSON, so many
+# examples keep the config consistent and reach a plan.
+PLAUSIBLE = {"model_type": ["mixtral"], "num_local_experts": [4, 8], "num_hidden_layers": [2, 1],
+             "hidden_size": [64, 32], "intermediate_size": [96, 48], "num_experts_per_tok": [2, 1, 4],
+             "auto_map": [{}]}
+
+
+def plausible(key: str):
+    return st.sampled_from(PLAUSIBLE.get(key, [None]))
+
+
+@pytest.fixture(scope="module")
+def mixtral_shard(tmp_path_factory) -> Path:
+    """The tiny Mixtral's single shard, with expert tensors, hard-linked into each example's folder."""
+    return build_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("fuzz-src"), max_shard_size="1GB") / SINGLE_NAME
+
+
+def test_malformed_configs(mixtral_shard):
+    outcomes = {"planned": 0, "refused": 0}
+
+    @FUZZ
+    @given(changes=st.dictionaries(st.sampled_from([*PLAUSIBLE, "quantization_config"]), st.just(None), min_size=1,
+                                   max_size=3).flatmap(lambda keys: st.fixed_dictionaries(
+                                       {k: plausible(k) | plausible(k) | json_values for k in keys})))
+    def plan_or_refuse(changes):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            os.link(mixtral_shard, folder / SINGLE_NAME)
+            (folder / CONFIG_NAME).write_text(json.dumps({"model_type": "mixtral", **TINY_CONFIGS["mixtral"],
+                                                          **changes}))
+            try:
+                make_plan(Checkpoint(folder))
+                outcomes["planned"] += 1
+            except UserError as e:
+                assert CONFIG_NAME in str(e) or any(key in str(e) for key in changes), str(e)
+                outcomes["refused"] += 1
+
+    plan_or_refuse()
+    total = sum(outcomes.values())
+    assert outcomes["planned"] >= 0.2 * total and outcomes["refused"] >= 0.2 * total, outcomes
