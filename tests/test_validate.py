@@ -8,7 +8,10 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
+
+from moe_blocks import expert_call
 
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import adapter_for
@@ -19,6 +22,7 @@ from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS
 from quantize_moe.check.validate import validate
+from quantize_moe.moe.routing import route
 
 runner = CliRunner()
 EXPERT = "model.layers.1.block_sparse_moe.experts.{e}.{p}.{t}"
@@ -117,14 +121,38 @@ def test_every_family_quantize_writes_passes(model_type, tiny_checkpoint, tmp_pa
                for layer in moe.layers)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text"])
+def test_validate_bf16_path_equals_transformers_moe_block(model_type, tiny_checkpoint):
+    """The side validate measures FP8 against (its routing, then the layer it loads from SRC) gives what
+    transformers' own MoE block gives its experts, not just what the same code gives in float64. For
+    Llama-4 transformers runs every expert on router-scaled inputs and sums; top-1 sigmoid weights make
+    the unchosen ones zero."""
+    src = tiny_checkpoint(model_type)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    moe = MoECheckpoint.open(src)
+    torch.manual_seed(2)
+    for layer in moe.layers:
+        hidden = torch.randn(1, 29, moe.layers[layer].hidden_size)
+        _, theirs = expert_call(model, layer, hidden)
+        router = moe.load_router(layer)
+        x, weights, ids = route(hidden[0], router, moe.family.routing_rule(moe.config, router, layer))
+        with torch.no_grad():
+            ours = moe.load_layer(layer, params_dtype=torch.float32)(x, weights, ids)
+        if model_type == "llama4_text":
+            theirs = theirs.reshape(moe.layers[layer].num_experts, *ours.shape).sum(dim=0)
+        torch.testing.assert_close(ours, theirs.reshape(ours.shape), rtol=1e-5, atol=1e-5)
+
+
 def test_llama4_router_weight_scales_the_expert_input(tiny_checkpoint, tmp_path, monkeypatch):
-    """quantize refuses Llama-4 (no engine loads its fused FP8 experts); an FP8 Llama-4 made anyway validates,
-    its top-1 sigmoid weight applied to the expert input as transformers applies it."""
+    """quantize refuses Llama-4 (no engine loads its fused FP8 experts); an FP8 Llama-4 made anyway validates.
+    That its bf16 side matches transformers' Llama-4 block is pinned above; here the FP8 side must be
+    within FP8 error of it."""
     src = tiny_checkpoint("llama4_text")
     monkeypatch.setattr(Plan, "check_loadable", lambda plan: None)
     quantize_checkpoint(src, tmp_path / "fp8", show_progress=False)
     report = validate(src, tmp_path / "fp8", tokens=128)
     assert report.layers and report.passed, report.layers
+    assert all(0.01 < r.relative_error < 0.1 for r in report.layers), report.layers
 
 
 def test_gpt_oss_refused(tiny_checkpoint):
