@@ -18,6 +18,7 @@ RANKS = [
     {"quantize_moe.adapters"},
     {"quantize_moe.plan"},
     {"quantize_moe.write"},
+    {"quantize_moe.run"},
     {"quantize_moe.check"},
     {"quantize_moe.publish"},
     {"quantize_moe.cli", "quantize_moe.__main__"},
