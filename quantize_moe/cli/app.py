@@ -300,3 +300,40 @@ def _report_weight_check(src: Path, dst: Path) -> None:
     if not all(c.ok for c in checks):
         raise UserError("Some expert weights are outside FP8 rounding of the original; this is a bug in "
                         "quantize-moe, please report it.")
+
+
+@app.command()
+@user_errors
+def evaluate(
+    src: Annotated[Path, typer.Argument(help="The original (unquantized) checkpoint folder.")],
+    dst: Annotated[Path, typer.Argument(help="The FP8 checkpoint folder made from SRC.")],
+    data: Annotated[Path, typer.Option(help="Text (tokenized with SRC's tokenizer) or safetensors with 'input_ids' [N, T].")],
+    length: Annotated[int, typer.Option(min=2, help="Tokens per window when --data is text.")] = 512,
+    samples: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N sequences.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON here ('-': stdout only).")] = None,
+    max_perplexity_ratio: Annotated[float, typer.Option(help="Fail above this perplexity ratio FP8 / original.")] = 1.02,
+    max_kl: Annotated[float, typer.Option(help="Fail above this mean KL per token.")] = 0.05,
+    min_top1: Annotated[float, typer.Option(help="Fail below this top-1 agreement.")] = 0.9,
+) -> None:
+    """Stream SRC and DST layer by layer over the same tokens (one layer in memory at a time) and compare
+    perplexity, KL and top-1 agreement. Exit code 0: passed; 1: bad input; 2: bad usage; 3: a threshold failed."""
+    from quantize_moe.check.streamed_eval import EvalThresholds, evaluate as run_evaluation, load_tokens
+    from quantize_moe.cli.report import evaluation_table
+
+    for folder in (src, dst):
+        if not folder.is_dir():
+            raise UserError(f"'{folder}' is not a checkpoint folder.")
+    batches = load_tokens(data, src, length, samples)
+    report = run_evaluation(src, dst, batches, device, EvalThresholds(max_perplexity_ratio, max_kl, min_top1))
+    if json_path is not None:
+        text = json.dumps(report.to_json(), indent=2)
+        if json_path == Path("-"):
+            print(text)
+        else:
+            json_path.write_text(text + "\n")
+    if json_path != Path("-"):
+        stdout.print(evaluation_table(report))
+    if not report.passed:
+        console.print("[bold red]evaluation failed[/]: a threshold was not met")
+        raise typer.Exit(3)

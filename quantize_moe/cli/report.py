@@ -135,3 +135,17 @@ def verify_table(report) -> Table:
         detail = "\n".join([f.message, *(f"  {e}" for e in f.examples)])
         table.add_row(f.check, f"[{VERDICT_STYLE[f.status]}]{f.status}[/]", detail)
     return table
+
+
+def evaluation_table(report) -> Table:
+    """The `evaluate` result: one row per measure, with the threshold it was held to."""
+    table = Table(title=f"End-to-end: FP8 against the original over {report.tokens} tokens")
+    for column in ("measure", "value"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_row("perplexity (original)", f"{report.src_perplexity:.4f}")
+    table.add_row("perplexity (FP8)", f"{report.dst_perplexity:.4f}")
+    table.add_row("perplexity ratio", f"{report.perplexity_ratio:.5f}")
+    table.add_row("mean KL(orig || fp8) per token", f"{report.mean_kl:.2e}")
+    table.add_row("top-1 agreement", f"{report.top1_agreement:.4f}")
+    table.add_row("passed", "[green]yes[/]" if report.passed else "[red]NO[/]")
+    return table

@@ -39,6 +39,9 @@ class LayerStreamedModel:
     def __init__(self, reader: SourceReader, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # one "Loading weights" bar per layer otherwise
 
         self.reader, self.device, self.dtype = reader, torch.device(device), dtype
         folder = reader.checkpoint.folder

@@ -1,0 +1,62 @@
+"""`quantize-moe evaluate`: both models streamed over the same tokens, thresholds, bad data."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from quantize_moe.cli.app import app
+from quantize_moe.plan.options import Options
+from quantize_moe.source.tiny import build_tiny_checkpoint
+from quantize_moe.write.job import quantize_checkpoint
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    src = build_tiny_checkpoint("mixtral", root / "src")
+    quantize_checkpoint(src, root / "dst", Options(), show_progress=False)
+    ids = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, root / "ids.safetensors")
+    return root
+
+
+def _run(root, *extra):
+    return runner.invoke(app, ["evaluate", str(root / "src"), str(root / "dst"), "--data",
+                               str(root / "ids.safetensors"), *extra])
+
+
+def test_fp8_against_itself_and_against_the_original(pair):
+    result = _run(pair, "--json", "-", "--min-top1", "0.8")  # a random tiny model has near-ties
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["tokens"] == 4 * 32
+    assert 0.98 < report["perplexity_ratio"] < 1.02 and report["perplexity_ratio"] != 1.0
+    assert 0 < report["mean_kl"] < 0.05 and report["top1_agreement"] > 0.8
+    same = runner.invoke(app, ["evaluate", str(pair / "src"), str(pair / "src"), "--data",
+                               str(pair / "ids.safetensors"), "--json", "-"])
+    assert json.loads(same.output)["mean_kl"] == 0 and json.loads(same.output)["top1_agreement"] == 1
+
+
+def test_failed_threshold_exits_3(pair):
+    assert _run(pair, "--min-top1", "1.01").exit_code == 3
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    (b"not safetensors", "not a readable safetensors"),
+    ({"input_ids": torch.full((2, 8), 500)}, "outside the vocabulary"),
+    ({"other": torch.zeros(2, 8, dtype=torch.long)}, "needs a non-empty integer tensor"),
+])
+def test_bad_data_is_one_sentence(pair, tmp_path, content, message):
+    data = tmp_path / "data.safetensors"
+    if isinstance(content, bytes):
+        data.write_bytes(content)
+    elif content is not None:
+        save_file(content, data)
+    result = runner.invoke(app, ["evaluate", str(pair / "src"), str(pair / "dst"), "--data", str(data)])
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
