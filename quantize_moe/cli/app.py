@@ -235,6 +235,18 @@ def demo(
             raise UserError("The demo checkpoint failed validation; this is a bug in quantize-moe, please report it.")
 
 
+def _emit(report, json_path: Optional[Path], table) -> None:
+    """A report as JSON (to a file, or alone on stdout for '-') and as its rich table."""
+    if json_path is not None:
+        text = json.dumps(report.to_json(), indent=2)
+        if json_path == Path("-"):
+            print(text)
+        else:
+            json_path.write_text(text + "\n")
+    if json_path != Path("-"):
+        stdout.print(table(report))
+
+
 @app.command()
 @user_errors
 def validate(
@@ -272,14 +284,7 @@ def validate(
         report = run_validation(src, dst, tokens=tokens, seed=seed, device=device, hidden_states_file=hidden_states,
                                 layers=chosen, thresholds=thresholds, adapter=adapter,
                                 on_layer=lambda _, total: bar.update(task, advance=1, total=total))
-    if json_path is not None:
-        text = json.dumps(report.to_json(), indent=2)
-        if json_path == Path("-"):
-            print(text)
-        else:
-            json_path.write_text(text + "\n")
-    if json_path != Path("-"):
-        stdout.print(validation_table(report))
+    _emit(report, json_path, validation_table)
     if not report.passed:
         failed = [str(r.layer) for r in report.layers if not r.passed]
         console.print(f"[bold red]validation failed[/] in layer(s) {', '.join(failed)}")
@@ -326,14 +331,7 @@ def evaluate(
             raise UserError(f"'{folder}' is not a checkpoint folder.")
     batches = load_tokens(data, src, length, samples)
     report = run_evaluation(src, dst, batches, device, EvalThresholds(max_perplexity_ratio, max_kl, min_top1))
-    if json_path is not None:
-        text = json.dumps(report.to_json(), indent=2)
-        if json_path == Path("-"):
-            print(text)
-        else:
-            json_path.write_text(text + "\n")
-    if json_path != Path("-"):
-        stdout.print(evaluation_table(report))
+    _emit(report, json_path, evaluation_table)
     if not report.passed:
         console.print("[bold red]evaluation failed[/]: a threshold was not met")
         raise typer.Exit(3)
