@@ -84,14 +84,16 @@ def _streamed_logits(folder: Path, batches: list[torch.Tensor], device: str):
 
 def evaluate(src: Path, dst: Path, batches: list[torch.Tensor], device: str = "cpu",
              thresholds: EvalThresholds = EvalThresholds()) -> EvalReport:
-    """Stream SRC, keep its float32 log-probabilities (N x T x V: the memory this costs beyond one layer),
-    stream DST and compare token by token."""
-    reference = [torch.log_softmax(logits, -1) for logits in _streamed_logits(src, batches, device)]
+    """Stream both models side by side and compare batch by batch. Each generator runs all its layers
+    before its first batch of logits, so memory holds one layer at a time, both models' hidden states,
+    and one batch of logits of each, never N x T x V."""
     nll_src = nll_dst = kl = agree = 0.0
     count = 0
-    for batch, ref, logits in zip(batches, reference, _streamed_logits(dst, batches, device)):
+    for batch, ref, logits in zip(batches, _streamed_logits(src, batches, device),
+                                  _streamed_logits(dst, batches, device)):
         target = batch[:, 1:].to(logits.device).flatten()
-        p_log, q_log = ref[:, :-1].flatten(0, 1), torch.log_softmax(logits[:, :-1], -1).flatten(0, 1)
+        p_log = torch.log_softmax(ref[:, :-1], -1).flatten(0, 1)
+        q_log = torch.log_softmax(logits[:, :-1], -1).flatten(0, 1)
         nll_src -= p_log.gather(1, target[:, None]).sum().item()
         nll_dst -= q_log.gather(1, target[:, None]).sum().item()
         kl += (p_log.exp() * (p_log - q_log)).sum().item()
