@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from quantize_moe.cli.app import app
-from quantize_moe.write.pipeline import GPU_WORKERS_PER_DEVICE
+from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE
 
 runner = CliRunner()
 

@@ -17,21 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.errors import UserError
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
 from quantize_moe.moe.routing import route
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Defaults pass a good per-tensor FP8 checkpoint (w8a8 error on real weights is ~3-7%) and fail a
-    broken one (a wrong scale, swapped gate/up or a transposed expert gives errors near or above 1)."""
-
-    max_relative_error: float = 0.15
-    min_cosine: float = 0.99
-    max_kernel_error: float = 0.03  # our path vs the float64 reference of the same weights
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""The `quantize-moe` command line."""
+"""The `quantize-moe` command line.
+
+Torch, transformers and the stages that need them are imported inside the commands, so `--help`
+and a mistyped option answer at once instead of after seconds of imports."""
 
 from __future__ import annotations
 
@@ -8,18 +11,12 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
-from transformers.utils.hub import convert_file_size_to_int
 
-from quantize_moe.check.weights import check_expert_weights
+from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.console import console, count_progress, stdout
-from quantize_moe.write.pipeline import GPU_WORKERS_PER_DEVICE
 from quantize_moe.errors import UserError
-from quantize_moe.plan.plan import make_plan
-from quantize_moe.plan.options import Options
-from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, verify_table
-from quantize_moe.check.validate import Thresholds
+from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE, Options
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Quantize Hugging Face Mixture-of-Experts checkpoints to FP8 and prove them correct.")
@@ -45,6 +42,8 @@ def user_errors(command):
 
 
 def _shard_size(value: str) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+
     try:
         return convert_file_size_to_int(value)
     except ValueError:
@@ -98,6 +97,7 @@ def quantize(
     a manifest of every file's size and digest, a model card, and every other file of SRC unchanged."""
     from quantize_moe.source.hub import open_source
     from quantize_moe.publish.model_card import record_run, write_card
+    from quantize_moe.cli.report import decisions_table, run_table
     from quantize_moe.write.job import quantize_checkpoint
 
     options = Options(experts_only=experts_only, scheme=scheme, format=format_,
@@ -147,6 +147,7 @@ def verify(
     3 a check failed."""
     from quantize_moe.source.hub import open_source
     from quantize_moe.check.verify import verify as verify_checkpoint
+    from quantize_moe.cli.report import verify_table
 
     source = open_source(against) if against else None
     report = verify_checkpoint(dst, source, adapter)
@@ -173,6 +174,8 @@ def inspect(
     which engines load the result. Reads metadata only (from the Hub: small files and shard headers,
     no shards). An unknown model_type is described as the generic adapter would read it."""
     from quantize_moe.adapters import is_known
+    from quantize_moe.cli.report import decisions_table, overview_table
+    from quantize_moe.plan.plan import make_plan
     from quantize_moe.source.hub import open_source
 
     checkpoint = open_source(src, stream=True, allow_pickle=allow_pickle)
@@ -209,6 +212,7 @@ def demo(
 ) -> None:
     """Build a small checkpoint of a real MoE family, quantize it, check it and print the report.
     Runs offline on a CPU."""
+    from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table
     from quantize_moe.write.job import quantize_checkpoint
     from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
@@ -268,7 +272,10 @@ def validate(
     """Run every MoE layer with the bf16 experts of SRC and the FP8 experts of DST through the same
     fused-MoE layer (Triton on a GPU, the torch reference otherwise) and report the error per layer.
     Exit code 0: every layer passed; 1: bad input; 2: bad usage; 3: some layer failed."""
+    import torch
+
     from quantize_moe.check.validate import validate as run_validation
+    from quantize_moe.cli.report import validation_table
 
     chosen = None
     if layers:
@@ -293,6 +300,8 @@ def validate(
 
 def _report_weight_check(src: Path, dst: Path) -> None:
     from rich.table import Table
+
+    from quantize_moe.check.weights import check_expert_weights
 
     table = Table(title="Routed experts: dequantized FP8 vs original")
     for column in ("layer", "relative error", "worst error / FP8 rounding bound", "ok"):

@@ -46,14 +46,10 @@ import torch
 from quantize_moe.quantization import fp8
 from quantize_moe.write.digests import shard_digest
 from quantize_moe.errors import UserError
+from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE
 from quantize_moe.plan.plan import Plan, WorkItem
 from quantize_moe.source.tensor_bytes import data_offsets, read_into
 from quantize_moe.write.shard_file import DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, placed
-
-# A GPU worker spends most of an item writing and waiting for the disk (quantizing takes milliseconds),
-# so a device gets enough workers to keep several writes in flight: on an H200 machine, 6 workers wrote a
-# 47 GB output in 40.1 s where 3 took 43.4 s (docs/performance.md).
-GPU_WORKERS_PER_DEVICE = 6
 
 
 def parse_devices(spec: str) -> list[torch.device]:
