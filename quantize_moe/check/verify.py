@@ -254,10 +254,12 @@ def check_integrity(checkpoint: Checkpoint) -> Finding:
     if manifest is None:
         return Finding("integrity", "warn", f"no {MANIFEST_NAME} (not written by quantize-moe?): shard sizes "
                        "match their headers, hashes not checked")
+    for name in manifest.files:
+        inside(folder, name, f"'{manifest.path}'")
+    intact = manifest.matching(manifest.files)
     problems = []
     for name in sorted(manifest.files):
-        inside(folder, name, f"'{manifest.path}'")
-        if not manifest.matches(name):
+        if name not in intact:
             problems.append(f"'{name}' is missing or no longer has its size and digest from the manifest")
     if not manifest.complete:
         problems.append("the manifest says the run did not finish; rerun quantize with --resume")

@@ -13,6 +13,8 @@ gets a plain sha256.
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from quantize_moe.source.tensor_bytes import tensor_regions
@@ -25,26 +27,48 @@ def shard_digest(header_sha256: bytes, tensor_sha256s: list[bytes]) -> str:
     return hashlib.sha256(header_sha256 + b"".join(tensor_sha256s)).hexdigest()
 
 
-def _sha256_of_range(f, offset: int, count: int) -> bytes:
-    digest = hashlib.sha256()
-    f.seek(offset)
-    while count:
-        chunk = f.read(min(count, READ_CHUNK_BYTES))
-        if not chunk:
-            raise EOFError(f"'{f.name}' ended {count} bytes early")
-        digest.update(chunk)
-        count -= len(chunk)
+def _sha256_of_range(path: Path, offset: int, count: int) -> bytes:
+    """sha256 of `count` bytes at `offset`, read with pread into one reused buffer (threads share nothing)."""
+    digest, buffer = hashlib.sha256(), bytearray(min(count, READ_CHUNK_BYTES))
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while count:
+            n = os.preadv(fd, [view[:min(count, len(view))]], offset)
+            if n == 0:
+                raise EOFError(f"'{path}' ended {count} bytes early")
+            digest.update(view[:n])
+            offset, count = offset + n, count - n
+    finally:
+        os.close(fd)
     return digest.digest()
+
+
+def _submit(pool: ThreadPoolExecutor, path: Path) -> tuple[bool, list[Future]]:
+    """Queue the hashes one file's digest is made of: (is a shard, futures of its parts in file order)."""
+    regions = tensor_regions(path) if path.suffix == ".safetensors" else None
+    size = path.stat().st_size
+    if regions is None:
+        return False, [pool.submit(_sha256_of_range, path, 0, size)]
+    data_start = size - sum(nbytes for _, nbytes in regions.values())
+    ranges = [(0, data_start), *regions.values()]
+    return True, [pool.submit(_sha256_of_range, path, offset, nbytes) for offset, nbytes in ranges]
+
+
+def file_digests(paths: list[Path], workers: int | None = None) -> dict[Path, str]:
+    """The digests of `paths`, every header and tensor of every file hashed at once on a thread pool
+    (hashlib releases the GIL on large buffers, so one thread per core hashes at the disk's rate);
+    the digests are those of `file_digest`."""
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        queued = {path: _submit(pool, path) for path in paths}
+        digests = {}
+        for path, (is_shard, parts) in queued.items():
+            hashes = [part.result() for part in parts]
+            digests[path] = shard_digest(hashes[0], hashes[1:]) if is_shard else hashes[0].hex()
+    return digests
 
 
 def file_digest(path: Path) -> str:
     """The digest of a file on disk (see the module docstring). A shard that safetensors cannot read
     gets the plain sha256 of its bytes, which matches no digest the engine records."""
-    regions = tensor_regions(path) if path.suffix == ".safetensors" else None
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if regions is None:
-            return _sha256_of_range(f, 0, size).hex()
-        data_start = size - sum(nbytes for _, nbytes in regions.values())
-        header = _sha256_of_range(f, 0, data_start)
-        return shard_digest(header, [_sha256_of_range(f, offset, nbytes) for offset, nbytes in regions.values()])
+    return file_digests([path])[path]

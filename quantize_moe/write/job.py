@@ -69,7 +69,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     prepare_destination(dst, overwrite=overwrite)
     manifest.save()
 
-    finished = {name for name in plan.shard_names if manifest.matches(name)}
+    finished = manifest.matching(plan.shard_names)
     devices_started.result()
     with byte_progress(show_progress) as progress:
         task = progress.add_task("quantizing", total=sum(i.input_bytes for i in plan.items))

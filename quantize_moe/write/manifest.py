@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quantize_moe import __version__
-from quantize_moe.write.digests import file_digest
+from quantize_moe.write.digests import file_digest, file_digests
 from quantize_moe.errors import UserError
 from quantize_moe.write.destination import MANIFEST_NAME, write_json
 from quantize_moe.plan.plan import Plan
@@ -92,18 +92,19 @@ class Manifest:
         found.complete = False  # until this run finishes again
         return found
 
-    def matches(self, name: str) -> bool:
-        """Whether `name` is listed and the file in DST still has its recorded size and digest: a
-        finished shard when resuming, an intact file when checking a finished checkpoint."""
-        record = self.files.get(name)
-        path = self.dst / name
-        return (record is not None and path.is_file() and path.stat().st_size == record.size
-                and FileRecord.of(path) == record)
+    def matching(self, names) -> set[str]:
+        """Those of `names` that are listed and still have their recorded size and digest in DST (a
+        finished shard when resuming, an intact file when checking a finished checkpoint), hashed all
+        at once across files and cores."""
+        sized = [name for name in names if (record := self.files.get(name)) is not None
+                 and (self.dst / name).is_file() and (self.dst / name).stat().st_size == record.size]
+        digests = file_digests([self.dst / name for name in sized])
+        return {name for name in sized if digests[self.dst / name] == self.files[name].digest}
 
     @property
     def finished_bytes(self) -> int:
         """Bytes of listed files that are on disk with their recorded size (hashes are checked later,
-        by `matches`, as each one comes up)."""
+        by `matching`)."""
         return sum(r.size for name, r in self.files.items()
                    if (self.dst / name).is_file() and (self.dst / name).stat().st_size == r.size)
 
