@@ -24,6 +24,8 @@ from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import method_for_spec
 from quantize_moe.quantization.spec import MoEQuantSpec
 
+EXPERT_CHUNK_BYTES = 256 << 20  # bf16 weights of the experts a check holds at once
+
 
 @dataclass
 class MoECheckpoint:
@@ -58,37 +60,53 @@ class MoECheckpoint:
 
     def load_layer(self, layer: int, device: str | torch.device = "cpu",
                    params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
+        return self.load_experts(layer, range(self.layers[layer].num_experts), device, params_dtype)
+
+    def expert_chunks(self, layer: int, budget_bytes: int = EXPERT_CHUNK_BYTES) -> list[range]:
+        """The layer's experts in consecutive ranges of about `budget_bytes` of bf16 weights (at least
+        one expert each): what the checks load at once, so their memory does not grow with the layer."""
         info = self.layers[layer]
-        moe = FusedMoE(info.num_experts, info.hidden_size, info.expert_width, method_for_spec(self.spec),
+        per_chunk = max(1, budget_bytes // (3 * info.hidden_size * info.expert_width * 2))
+        return [range(start, min(start + per_chunk, info.num_experts))
+                for start in range(0, info.num_experts, per_chunk)]
+
+    def load_experts(self, layer: int, experts: range, device: str | torch.device = "cpu",
+                     params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
+        """A `FusedMoE` of the layer's experts in `experts` only (renumbered from 0)."""
+        info = self.layers[layer]
+        moe = FusedMoE(len(experts), info.hidden_size, info.expert_width, method_for_spec(self.spec),
                        params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
         params = dict(moe.named_parameters())
         for module, expert, shard_id in self.experts.get(layer, []):
-            prefix = "w2" if shard_id == "w2" else "w13"
+            if expert not in experts:
+                continue
+            prefix, local = "w2" if shard_id == "w2" else "w13", expert - experts.start
             moe.weight_loader(params[f"{prefix}_weight"], self.checkpoint.get(f"{module}.weight"),
-                              f"{prefix}_weight", shard_id, expert)
+                              f"{prefix}_weight", shard_id, local)
             if self.scale_suffix is not None:
                 moe.weight_loader(params[f"{prefix}_weight_scale"],
                                   self.checkpoint.get(f"{module}.{self.scale_suffix}").float(),
-                                  f"{prefix}_weight_scale", shard_id, expert)
+                                  f"{prefix}_weight_scale", shard_id, local)
         for name, layout in self.fused.get(layer, []):
-            self._load_fused(moe, params, name, layout, info.num_experts)
+            self._load_fused(moe, params, name, layout, info.num_experts, experts)
         moe.process_weights_after_loading()
         return moe.to(device)
 
-    def _load_fused(self, moe: FusedMoE, params: dict, name: str, layout: FusedLayout, num_experts: int) -> None:
-        """Slice a tensor holding every expert into per-expert w1/w3/w2 and load each one, like the
-        engines' `load_weights` for these families; scales `[E]` or `[E, shards]` go per expert and shard."""
+    def _load_fused(self, moe: FusedMoE, params: dict, name: str, layout: FusedLayout, num_experts: int,
+                    experts: range) -> None:
+        """Slice a tensor holding every expert into per-expert w1/w3/w2 and load those in `experts`, like
+        the engines' `load_weights` for these families; scales `[E]` or `[E, shards]` go per expert and shard."""
         prefix = "w2" if layout.shards == ("w2",) else "w13"
         shards = layout.split(self.checkpoint.get(name), num_experts)
         scales = None
         if self.scale_suffix is not None:
             scales = self.checkpoint.get(scale_name(name, self.scale_suffix)).float().reshape(num_experts, -1)
         for index, (shard_id, weights) in enumerate(shards.items()):
-            for expert in range(num_experts):
-                moe.weight_loader(params[f"{prefix}_weight"], weights[expert], f"{prefix}_weight", shard_id, expert)
+            for local, expert in enumerate(experts):
+                moe.weight_loader(params[f"{prefix}_weight"], weights[expert], f"{prefix}_weight", shard_id, local)
                 if scales is not None:
                     moe.weight_loader(params[f"{prefix}_weight_scale"], scales[expert, index % scales.shape[1]],
-                                      f"{prefix}_weight_scale", shard_id, expert)
+                                      f"{prefix}_weight_scale", shard_id, local)
 
     def load_router(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's router parameters in float32 by parameter name: `weight`, and `bias` or
