@@ -42,6 +42,12 @@ def tensor_shapes(layers: int, vocab: int):
     yield "lm_head.weight", (vocab, HIDDEN)
 
 
+def set_shape(hidden: int, expert_width: int, experts: int) -> None:
+    """Shrink (or grow) the Mixtral shapes every function here uses."""
+    global HIDDEN, EXPERT_WIDTH, EXPERTS
+    HIDDEN, EXPERT_WIDTH, EXPERTS = hidden, expert_width, experts
+
+
 def config(layers: int, vocab: int) -> dict:
     return {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "torch_dtype": "bfloat16",
@@ -91,7 +97,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-gb", type=float, default=2.0)
     parser.add_argument("--device", default="cpu", help="draw the weights here (cuda: fast enough for N=32)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="smaller shapes for tests (a multiple of 32)")
+    parser.add_argument("--expert-width", type=int, default=EXPERT_WIDTH)
+    parser.add_argument("--experts", type=int, default=EXPERTS)
     args = parser.parse_args()
+    set_shape(args.hidden, args.expert_width, args.experts)
     write_checkpoint(args.folder, args.layers, args.vocab, int(args.shard_gb * 1e9), device=args.device)
 
 

@@ -62,11 +62,11 @@ class MoECheckpoint:
                    params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
         return self.load_experts(layer, range(self.layers[layer].num_experts), device, params_dtype)
 
-    def expert_chunks(self, layer: int, budget_bytes: int = EXPERT_CHUNK_BYTES) -> list[range]:
+    def expert_chunks(self, layer: int, budget_bytes: int | None = None) -> list[range]:
         """The layer's experts in consecutive ranges of about `budget_bytes` of bf16 weights (at least
         one expert each): what the checks load at once, so their memory does not grow with the layer."""
         info = self.layers[layer]
-        per_chunk = max(1, budget_bytes // (3 * info.hidden_size * info.expert_width * 2))
+        per_chunk = max(1, (budget_bytes or EXPERT_CHUNK_BYTES) // (3 * info.hidden_size * info.expert_width * 2))
         return [range(start, min(start + per_chunk, info.num_experts))
                 for start in range(0, info.num_experts, per_chunk)]
 

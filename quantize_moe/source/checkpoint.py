@@ -28,6 +28,7 @@ SINGLE_NAME = "model.safetensors"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
+OPEN_SHARDS = 2  # safetensors shards kept mapped: a walk over a large checkpoint releases the rest
 
 # safetensors dtype strings as reported by get_slice().get_dtype()
 SAFETENSORS_DTYPES = {
@@ -195,10 +196,13 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """The tensor, memory-mapped: its bytes are read when first touched."""
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
+        handle = self._handles.pop(info.file, None)
         if handle is None:
             handle = safe_open(self.shard_path(info.file), framework="pt")
-            self._handles[info.file] = handle
+            mapped = [f for f, h in self._handles.items() if not isinstance(h, dict)]
+            for file in mapped[:max(0, len(mapped) - OPEN_SHARDS + 1)]:  # least recently used first
+                del self._handles[file]
+        self._handles[info.file] = handle
         return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
 
     def shard_path(self, file: str) -> Path:
