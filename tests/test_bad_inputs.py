@@ -77,6 +77,24 @@ def link_outside(src, tmp_path):
     path.symlink_to(outside)
 
 
+def config_links_outside(src, tmp_path):
+    outside = tmp_path / "secret.json"
+    shutil.move(src / CONFIG_NAME, outside)
+    (src / CONFIG_NAME).symlink_to(outside)
+
+
+def shard_loops(src, tmp_path):
+    path = shard_of(src, EXPERT)
+    path.unlink()
+    path.symlink_to(path.name)
+
+
+def index_names_pickle(src, tmp_path):
+    torch.save({"extra.weight": RunsCode(tmp_path / "code-ran")}, src / "extra.bin")
+    edit_weight_map(src, lambda m: m.update({"extra.weight": "extra.bin"}))
+    return ["--allow-pickle"]
+
+
 def to_pickle(src: Path) -> dict:
     state = {}
     for shard in sorted(src.glob("*.safetensors")):
@@ -154,6 +172,13 @@ CASES = {
         ["already quantized (fp8)", "quantize-moe dequantize"], True),
     "mixed dtypes in a scale group": (lambda src, _: edit_tensor(src, EXPERT_UP, lambda t: t.float()),
                                       [EXPERT_UP, "shares its scale", "torch.float32"], True),
+    "config.json links outside SRC": (config_links_outside, [CONFIG_NAME, "links outside"], True),
+    "shard link loops": (shard_loops, ["loops or leads nowhere"], True),
+    "safetensors index names a .bin": (index_names_pickle, ["extra.bin", "not a .safetensors file"], True),
+    "deeply nested config.json": (lambda src, _: write(src / CONFIG_NAME, "[" * 100_000 + "]" * 100_000),
+                                  [CONFIG_NAME, "nests JSON too deeply"], True),
+    "deeply nested index": (lambda src, _: write(src / INDEX_NAME, '{"weight_map": ' + "[" * 100_000),
+                            [INDEX_NAME, "nests JSON too deeply"], True),
     "pickle only": (lambda src, _: torch.save(to_pickle(src), src / "pytorch_model.bin"),
                     ["pytorch_model.bin", "--allow-pickle"], True),
     "crafted pickle": (crafted_pickle, ["pytorch_model.bin", "holds more than plain tensors"], True),

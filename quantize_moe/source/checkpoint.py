@@ -73,7 +73,11 @@ def inside(folder: Path, relative: str, what: str) -> Path:
         raise UserError(f"{what} names the file '{relative}', which is outside the checkpoint folder; "
                         "fix it so it names files inside the folder.")
     path = folder / relative
-    real = path.resolve()
+    try:
+        real = path.resolve(strict=path.is_symlink())
+    except (OSError, RuntimeError):  # a dangling link, or a loop (RuntimeError before Python 3.13)
+        raise UserError(f"'{path}' is a symbolic link that loops or leads nowhere; replace it with the "
+                        "real file.") from None
     if not any(real.is_relative_to(root) for root in allowed_roots(folder)):
         raise UserError(f"'{path}' links outside the checkpoint folder '{folder}'; "
                         "copy the real file into the folder.")
@@ -100,13 +104,7 @@ class Checkpoint:
         path = self.folder / CONFIG_NAME
         if not path.is_file():
             raise UserError(f"'{path}' is missing; a Hugging Face checkpoint folder needs its config.json.")
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"'{path}' is not valid JSON ({e}); restore the original config.json.") from None
-        if not isinstance(config, dict):
-            raise UserError(f"'{path}' does not hold a JSON object; restore the original config.json.")
-        return config
+        return read_json_object(self.folder, CONFIG_NAME, "restore the original config.json")
 
     @property
     def shard_files(self) -> list[str]:
@@ -123,7 +121,7 @@ class Checkpoint:
     def _shard_map(self, allow_pickle: bool) -> tuple[str | None, dict[str, list[str]]]:
         """The index file (if any) and shard file -> tensor names it should hold."""
         if (self.folder / INDEX_NAME).is_file():
-            return INDEX_NAME, self._read_index(self.folder / INDEX_NAME)
+            return INDEX_NAME, self._read_index(INDEX_NAME)
         if (self.folder / SINGLE_NAME).is_file():
             return None, {SINGLE_NAME: []}
         for name in (PICKLE_INDEX_NAME, PICKLE_SINGLE_NAME):
@@ -133,25 +131,29 @@ class Checkpoint:
                                     "when loaded; pass --allow-pickle to load them weights-only, or convert "
                                     "the checkpoint to safetensors.")
                 if name == PICKLE_INDEX_NAME:
-                    return name, self._read_index(self.folder / name)
+                    return name, self._read_index(name)
                 return None, {name: []}
         raise UserError(f"'{self.folder}' has neither {INDEX_NAME} nor {SINGLE_NAME}; "
                         "point SRC at a Hugging Face checkpoint folder.")
 
-    @staticmethod
-    def _read_index(index_path: Path) -> dict[str, list[str]]:
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    def _read_index(self, index_name: str) -> dict[str, list[str]]:
+        """Shard file -> tensor names, from an index whose shards must all be of the index's own kind:
+        a safetensors index naming a `.bin` would otherwise reach torch.load without --allow-pickle."""
+        index_path = self.folder / index_name
+        weight_map = read_json_object(self.folder, index_name, "it is not a valid safetensors index, so "
+                                      "restore it from the original checkpoint").get("weight_map")
+        if not isinstance(weight_map, dict):
             raise UserError(f"'{index_path}' is not a valid safetensors index (no 'weight_map' object); "
-                            "restore it from the original checkpoint.") from None
+                            "restore it from the original checkpoint.")
+        suffix = ".safetensors" if index_name == INDEX_NAME else ".bin"
         shards: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             if not isinstance(file, str):
                 raise UserError(f"'{index_path}' maps tensor '{name}' to a non-string file name; "
                                 "restore it from the original checkpoint.")
+            if not file.endswith(suffix):
+                raise UserError(f"'{index_path}' maps tensor '{name}' to '{file}', which is not a {suffix} "
+                                f"file; this index may only name {suffix} shards, so fix the index.")
             shards.setdefault(file, []).append(name)
         return shards
 
@@ -220,6 +222,25 @@ class Checkpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_json_object(folder: Path, relative: str, fix: str) -> dict:
+    """A JSON object from a metadata file of the checkpoint: one rule for every such read (the file
+    must really live in the folder, as shards must) and one sentence for every way it can be bad."""
+    path = inside(folder, relative, f"'{folder}'")
+    try:
+        data = json.loads(path.read_text())
+    except PermissionError:
+        raise UserError(f"'{path}' cannot be read (permission denied); make it readable.") from None
+    except OSError as e:
+        raise UserError(f"'{path}' cannot be read ({e.strerror or e}); {fix}.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"'{path}' is not valid JSON ({e}); {fix}.") from None
+    except RecursionError:
+        raise UserError(f"'{path}' nests JSON too deeply to read; {fix}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"'{path}' does not hold a JSON object; {fix}.")
+    return data
 
 
 def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
