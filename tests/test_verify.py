@@ -104,6 +104,44 @@ def test_ignore_list_that_disagrees_with_the_tensors_fails(damaged):
     assert "block_sparse_moe.gate' stays" in problems and "names no module" in problems
 
 
+def set_ignored(folder, entries):
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = entries
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("re:(.+)+X$", "exponential time"),  # catastrophic backtracking: would hang the matcher
+    ("re:(a|ab)*c", "exponential time"),
+    ("re:.*.*.*.*.*x", "unbounded repeats"),
+    ("re:model.[", "not a valid regular expression"),
+    (5, "must be a list of module names"),
+])
+def test_a_hostile_or_broken_ignore_entry_is_named_not_run(damaged, entry, fragment):
+    set_ignored(damaged, ["lm_head", entry])
+    result = CliRunner().invoke(app, ["verify", str(damaged)], catch_exceptions=False)
+    text = " ".join(result.output.split())
+    assert result.exit_code == EXIT_UNREADABLE and fragment in text and "config.json" in text, result.output
+    assert "Traceback" not in result.output
+
+
+def test_an_ignore_entry_naming_a_non_linear_module_passes(damaged):
+    """llm-compressor's model_free_ptq lists model.embed_tokens, which holds tensors but is no Linear."""
+    config = json.loads((damaged / "config.json").read_text())
+    set_ignored(damaged, [*config["quantization_config"]["ignored_layers"], "model.embed_tokens"])
+    assert "metadata" not in failed(verify(damaged))
+    set_ignored(damaged, [*config["quantization_config"]["ignored_layers"], "model.no_such_module"])
+    assert "names no module" in failed(verify(damaged))["metadata"]
+
+
+def test_index_metadata_that_is_not_an_object_is_a_failure_not_a_crash(damaged):
+    index_path = damaged / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"] = "oops"
+    index_path.write_text(json.dumps(index))
+    assert "metadata is not an object" in failed(verify(damaged))["structure"]
+
+
 def test_orphans_and_leftovers_fail_structure(damaged):
     shutil.copy(damaged / "model-00001-of-00002.safetensors", damaged / "model-00009-of-00009.safetensors")
     (damaged / "config.json.partial").write_text("{}")

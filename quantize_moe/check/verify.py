@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,16 +22,16 @@ import torch
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import Kind
 from quantize_moe.check.weights import check_expert_weights
-from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside
+from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside, read_json_object
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
+from quantize_moe.quantization.ignore_list import ignore_matcher
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.write.manifest import Manifest
 from quantize_moe.write.destination import MANIFEST_NAME, PARTIAL_SUFFIX
 from quantize_moe.plan.plan import scale_siblings
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert", "ignore")
 EXAMPLES = 5
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,11 +88,14 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
     folder, problems = checkpoint.folder, []
     index = folder / INDEX_NAME
     if index.is_file():
-        index_data = json.loads(index.read_text())
-        listed = index_data["weight_map"]
+        index_data = read_json_object(folder, INDEX_NAME, "restore the index")
+        listed = index_data["weight_map"]  # Checkpoint checked it is an object
         problems += [f"tensor '{n}' is in '{i.file}' but not in the index" for n, i in checkpoint.tensors.items()
                      if n not in listed]
-        declared = (index_data.get("metadata") or {}).get("total_size")
+        metadata = index_data.get("metadata")
+        declared = metadata.get("total_size") if isinstance(metadata, dict) else None
+        if metadata is not None and not isinstance(metadata, dict):
+            problems.append("the index's metadata is not an object")
         actual = sum(i.nbytes for i in checkpoint.tensors.values())
         if declared is not None and declared != actual:
             problems.append(f"the index declares total_size {declared}, the tensors hold {actual} bytes")
@@ -135,14 +137,6 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
 
 
 # -- metadata ---------------------------------------------------------------------------------------
-def _ignore_matcher(quantization_config: dict):
-    """Exact module names, or `re:` patterns matched from the start (compressed-tensors)."""
-    entries = [e for key in IGNORE_KEYS for e in quantization_config.get(key) or []]
-    exact = {e for e in entries if not e.startswith("re:")}
-    patterns = [re.compile(e[3:]) for e in entries if e.startswith("re:")]
-    return entries, lambda module: module in exact or any(p.match(module) for p in patterns)
-
-
 def check_metadata(inventory: Inventory) -> Finding:
     """quantization_config agrees with the tensors: FP8 modules are not ignored, every Linear left in
     high precision is (engines would otherwise expect FP8 there), static activations have input scales."""
@@ -150,7 +144,10 @@ def check_metadata(inventory: Inventory) -> Finding:
     if qc is None:
         return Finding("metadata", "fail", "config.json has no quantization_config; engines will load the "
                        "checkpoint as unquantized")
-    entries, ignored = _ignore_matcher(qc)
+    if not isinstance(qc, dict):
+        raise UserError(f"'{inventory.checkpoint.folder / 'config.json'}': quantization_config is not an "
+                        "object; fix the config.")
+    entries, ignored = ignore_matcher(qc, f"'{inventory.checkpoint.folder / 'config.json'}'")
     problems = []
     modules = set()
     for name, stored in inventory.tensors.items():
@@ -165,8 +162,10 @@ def check_metadata(inventory: Inventory) -> Finding:
         if stored.quantized and qc.get("activation_scheme") == "static" and \
                 f"{module}.input_scale" not in inventory.scales:
             problems.append(f"'{module}' has no input_scale, but activation_scheme is static")
+    # An entry may name any module holding tensors (llm-compressor lists model.embed_tokens), not only Linears.
+    holders = {name.rsplit(".", 1)[0] for name in inventory.checkpoint.tensors}
     problems += [f"ignore entry '{e}' names no module" for e in entries
-                 if not e.startswith("re:") and e not in modules]
+                 if not e.startswith("re:") and e not in modules and e not in holders]
     summary = f"{qc.get('quant_method')} config; its {len(entries)} ignore entries are exactly the kept Linears"
     return _finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
 
