@@ -173,6 +173,8 @@ CASES = {
     "mixed dtypes in a scale group": (lambda src, _: edit_tensor(src, EXPERT_UP, lambda t: t.float()),
                                       [EXPERT_UP, "shares its scale", "torch.float32"], True),
     "config.json links outside SRC": (config_links_outside, [CONFIG_NAME, "links outside"], True),
+    "FIFO shard": (lambda src, _: (shard_of(src, EXPERT).unlink(), os.mkfifo(shard_of(src, EXPERT))) and None,
+                   ["is not a regular file"], True),
     "shard link loops": (shard_loops, ["loops or leads nowhere"], True),
     "safetensors index names a .bin": (index_names_pickle, ["extra.bin", "not a .safetensors file"], True),
     "deeply nested config.json": (lambda src, _: write(src / CONFIG_NAME, "[" * 100_000 + "]" * 100_000),

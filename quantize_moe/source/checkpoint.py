@@ -161,6 +161,9 @@ class Checkpoint:
         tensors: dict[str, TensorInfo] = {}
         for file, expected in sorted(shards.items()):
             path = inside(self.folder, file, f"'{self.folder / (self.index_name or file)}'")
+            if path.exists() and not path.is_file():
+                raise UserError(f"Shard '{path}' is not a regular file (a pipe, device or folder); replace it "
+                                "with the real shard.")
             if not path.is_file():
                 raise UserError(f"The index names shard '{file}', which is missing from '{self.folder}'; "
                                 "download the missing shard.")
