@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ SINGLE_NAME = "model.safetensors"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
+SHARD_NAME = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")  # save_pretrained's shards
 OPEN_SHARDS = 2  # safetensors shards kept mapped: a walk over a large checkpoint releases the rest
 
 # safetensors dtype strings as reported by get_slice().get_dtype()
@@ -159,6 +161,7 @@ class Checkpoint:
 
     def _read_headers(self, shards: dict[str, list[str]]) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
+        unlisted: list[tuple[str, str]] = []  # (shard, tensor) the index does not list
         for file, expected in sorted(shards.items()):
             path = inside(self.folder, file, f"'{self.folder / (self.index_name or file)}'")
             if path.exists() and not path.is_file():
@@ -177,7 +180,24 @@ class Checkpoint:
             if missing:
                 raise UserError(f"The index says tensor '{missing[0]}' is in '{file}', but that file does "
                                 "not hold it; re-download the shard or fix the index.")
+            if self.index_name:
+                unlisted += [(file, n) for n in found if n not in expected]
+        if unlisted:
+            file, name = unlisted[0]
+            raise UserError(f"'{file}' holds tensor '{name}', which '{self.index_name}' does not list; the "
+                            "index and its shards come from different saves: re-download both.")
+        self._check_no_unlisted_shards(shards)
         return tensors
+
+    def _check_no_unlisted_shards(self, shards: dict[str, list[str]]) -> None:
+        """A shard file named like save_pretrained's shards that the index never mentions means the index
+        and its shards disagree: reading only the listed ones would silently drop tensors."""
+        if self.index_name is None:
+            return
+        for path in sorted(self.folder.iterdir()):
+            if SHARD_NAME.fullmatch(path.name) and path.name not in shards:
+                raise UserError(f"'{path}' is a shard that '{self.folder / self.index_name}' does not list; "
+                                "the index and its shards come from different saves: re-download both.")
 
     def _pickle_header(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Load a pickle shard weights-only (memory-mapped when it is a zip archive, so nothing is
