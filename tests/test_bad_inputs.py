@@ -286,3 +286,12 @@ def test_an_fp8_checkpoint_is_requantized_through_dequantize(mixtral_src, tmp_pa
     assert run_cli("dequantize", fp8, bf16).exit_code == 0
     assert run_cli("quantize", bf16, again, "--no-progress").exit_code == 0
 
+
+def test_a_source_card_with_broken_yaml_warns_and_the_run_completes(src, tmp_path):
+    write(src / "README.md", "---\nlicense: [apache\n---\n# base\n")
+    result = run_cli("quantize", src, tmp_path / "dst", "--max-shard-size", SHARD_SIZE, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "not valid YAML" in " ".join(result.output.split())
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert "tags:" in card and "license" not in card.split("---")[1]
+    assert run_cli("verify", tmp_path / "dst").exit_code == 0

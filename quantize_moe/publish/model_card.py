@@ -13,11 +13,12 @@ import shlex
 from collections import Counter
 from pathlib import Path
 
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from quantize_moe import __version__
-from quantize_moe.source.checkpoint import Checkpoint
-from quantize_moe.console import human_bytes
+from quantize_moe.console import console, human_bytes
+from quantize_moe.source.checkpoint import Checkpoint, inside
 from quantize_moe.plan.compatibility import LOADS, loading_engines
 from quantize_moe.errors import UserError
 from quantize_moe.source.hub import HubSource
@@ -59,11 +60,25 @@ def reproduce_command(source: str, dst: Path, options: Options) -> str:
     return shlex.join(args)
 
 
+def _source_card_metadata(folder: Path) -> dict:
+    """The front matter of SRC's card, read under the rule for every file of SRC (it lives in the
+    folder); a card whose YAML is broken carries nothing over, with a warning, since the weights are
+    written by then and a card is no reason to fail the run."""
+    path = folder / CARD_NAME
+    if not path.is_file():
+        return {}
+    try:
+        return ModelCard.load(inside(folder, CARD_NAME, f"'{folder}'")).data.to_dict()
+    except (yaml.YAMLError, ValueError, UnicodeDecodeError) as e:
+        console.print(f"[yellow]warning:[/] '{path}' has front matter that is not valid YAML "
+                      f"({type(e).__name__}); the model card carries nothing over from it.")
+        return {}
+
+
 def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Options) -> None:
     """Write what the card needs to know about the source: where it came from and what its card said."""
     origin = _hub_origin(checkpoint.folder)  # Hub sources are read from (or through) a cache snapshot
-    source_card = checkpoint.folder / CARD_NAME
-    metadata = ModelCard.load(source_card).data.to_dict() if source_card.is_file() else {}
+    metadata = _source_card_metadata(checkpoint.folder)
     _write_recorded(dst, RUN_RECORD, json.dumps({
         "tool": f"quantize-moe {__version__}",
         "base_model": origin.repo_id if origin else None,
