@@ -348,7 +348,7 @@ def invoke_grouped_gemm(
         *_scale_strides(a_scale, 2), *_scale_strides(b_scale, 3),
         group_n, group_k, a_row_divisor,
         WEIGHT_SCHEME=_SCHEME_CODE[quant.weight],
-        PER_ROW_A_SCALE=quant.activation != "tensor",
+        PER_ROW_A_SCALE=quant.activation not in ("tensor", "static"),
         SCALAR_B_SCALE=quant.weight == "block" and group_n % block_n == 0,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k,
@@ -368,6 +368,8 @@ def fused_experts(
     quant: MoEQuantSpec = UNQUANTIZED,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
     activation: str = "silu",
     config: dict | None = None,
 ) -> torch.Tensor:
@@ -376,7 +378,8 @@ def fused_experts(
     hidden_states [T, H] bf16/fp16 (fp32 works too, for the CPU interpreter);
     w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
     [T, k] float32; topk_ids [T, k] int. FP8 weights come with scales shaped
-    as in quant_spec.py; activations are quantized dynamically per `quant`.
+    as in quant_spec.py; activations are quantized dynamically per `quant`, or
+    with the static scales a13_scale / a2_scale [1] of static checkpoints.
     `config` overrides the launch configs (benchmarks, tuning): one config for
     both GEMMs or a {"gemm1": ..., "gemm2": ...} table entry (configs.py).
     """
@@ -391,12 +394,12 @@ def fused_experts(
     routing = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post_padded,
                    quant=quant)
 
-    x, x_scale = quantize_fp8(hidden_states, quant) if quant.is_fp8 else (hidden_states, None)
+    x, x_scale = quantize_fp8(hidden_states, quant, static_scale=a13_scale) if quant.is_fp8 else (hidden_states, None)
     gate_up = gemm_output(num_pairs, two_inter, dtype, config1, device)
     invoke_grouped_gemm(x, x_scale, w13, w13_scale, gate_up, None, a_row_divisor=top_k, config=config1, **routing)
 
     if quant.is_fp8:
-        act, act_scale = quantize_fp8(gate_up, quant, fuse_silu_mul=True)
+        act, act_scale = quantize_fp8(gate_up, quant, fuse_silu_mul=True, static_scale=a2_scale)
     else:
         act, act_scale = silu_and_mul(gate_up, dtype), None
     out = gemm_output(num_pairs, w2.shape[1], dtype, config2, device)

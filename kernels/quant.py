@@ -1,11 +1,12 @@
-"""Dynamic FP8 activation quantization: per token, per tensor, per token-group.
+"""FP8 activation quantization: dynamic per token, per tensor, per token-group, or static.
 
 One kernel serves all three. A program owns one (row, group) pair, where a
 group is `group_size` consecutive columns (the whole row for per-token
 scales, 128 for block-quantized weights). It walks its group twice in BLOCK
 chunks: first for the absolute maximum (scale = amax / 448), then to divide
 and round to float8_e4m3fn. With a per-tensor scale the scale comes from
-torch (a global reduction) and only the second walk runs.
+torch (a global reduction) and only the second walk runs; a static scale (calibrated, from the
+checkpoint) is given and takes the same path.
 
 With FUSE_SILU_MUL the values are SiLU(gate) * up computed on the fly from a
 [rows, 2I] GEMM output, so the intermediate activation is never written in
@@ -64,11 +65,13 @@ def _quantize_groups_kernel(
         tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8(x: torch.Tensor, quant: MoEQuantSpec, fuse_silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, quant: MoEQuantSpec, fuse_silu_mul: bool = False,
+                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [rows, K] activations as `quant.activation` says; returns (q fp8, scale float32).
 
-    Scale shapes: token [rows, 1], tensor [1], group [rows, ceil(K / bk)].
-    With fuse_silu_mul, x is a [rows, 2K] gate/up tensor and SiLU(gate) * up is quantized.
+    Scale shapes: token [rows, 1], tensor and static [1], group [rows, ceil(K / bk)].
+    With fuse_silu_mul, x is a [rows, 2K] gate/up tensor and SiLU(gate) * up is quantized (a static
+    scale needs no pass over the whole activation first, so it stays fused).
     """
     if quant.activation == "tensor" and fuse_silu_mul:
         # A per-tensor scale needs the whole activation first: materialize it, in
@@ -78,7 +81,11 @@ def quantize_fp8(x: torch.Tensor, quant: MoEQuantSpec, fuse_silu_mul: bool = Fal
     num_cols = x.shape[1] // 2 if fuse_silu_mul else x.shape[1]
     q = torch.empty(rows, num_cols, dtype=FP8_DTYPE, device=x.device)
 
-    if quant.activation == "tensor":
+    if quant.static:
+        if static_scale is None:
+            raise ValueError("static activations need their input scale")
+        group_size, scale = num_cols, static_scale.float().reshape(1).to(x.device)
+    elif quant.activation == "tensor":
         group_size = num_cols
         scale = (x.abs().amax().float() * FP8_MAX_INV).clamp(min=MIN_SCALE).reshape(1)
     else:
@@ -89,7 +96,7 @@ def quantize_fp8(x: torch.Tensor, quant: MoEQuantSpec, fuse_silu_mul: bool = Fal
         x, q, scale,
         num_cols, group_size, x.stride(0), q.stride(0), scale.stride(0),
         FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_SCALE=MIN_SCALE,
-        FUSE_SILU_MUL=fuse_silu_mul, STATIC_SCALE=quant.activation == "tensor",
+        FUSE_SILU_MUL=fuse_silu_mul, STATIC_SCALE=quant.activation in ("tensor", "static"),
         BLOCK=min(triton.next_power_of_2(group_size), 1024),
     )
     return q, scale

@@ -19,7 +19,7 @@ from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_f
 from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.errors import UserError
-from quantize_moe.quantization.formats import read_quantization
+from quantize_moe.quantization.formats import INPUT_SCALE, read_quantization
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import method_for_spec
 from quantize_moe.quantization.spec import MoEQuantSpec
@@ -83,10 +83,8 @@ class MoECheckpoint:
             prefix, local = "w2" if shard_id == "w2" else "w13", expert - experts.start
             moe.weight_loader(params[f"{prefix}_weight"], self.checkpoint.get(f"{module}.weight"),
                               f"{prefix}_weight", shard_id, local)
-            if self.scale_suffix is not None:
-                moe.weight_loader(params[f"{prefix}_weight_scale"],
-                                  self.checkpoint.get(f"{module}.{self.scale_suffix}").float(),
-                                  f"{prefix}_weight_scale", shard_id, local)
+            for suffix, param in self._scale_params(prefix):
+                moe.weight_loader(params[param], self._scale(f"{module}.{suffix}"), param, shard_id, local)
         for name, layout in self.fused.get(layer, []):
             self._load_fused(moe, params, name, layout, info.num_experts, experts)
         moe.process_weights_after_loading()
@@ -98,15 +96,27 @@ class MoECheckpoint:
         the engines' `load_weights` for these families; scales `[E]` or `[E, shards]` go per expert and shard."""
         prefix = "w2" if layout.shards == ("w2",) else "w13"
         shards = layout.split(self.checkpoint.get(name), num_experts)
-        scales = None
-        if self.scale_suffix is not None:
-            scales = self.checkpoint.get(scale_name(name, self.scale_suffix)).float().reshape(num_experts, -1)
+        scales = {param: self._scale(scale_name(name, suffix)).reshape(num_experts, -1)
+                  for suffix, param in self._scale_params(prefix)}
         for index, (shard_id, weights) in enumerate(shards.items()):
             for local, expert in enumerate(experts):
                 moe.weight_loader(params[f"{prefix}_weight"], weights[expert], f"{prefix}_weight", shard_id, local)
-                if scales is not None:
-                    moe.weight_loader(params[f"{prefix}_weight_scale"], scales[expert, index % scales.shape[1]],
-                                      f"{prefix}_weight_scale", shard_id, local)
+                for param, scale in scales.items():
+                    moe.weight_loader(params[param], scale[expert, index % scale.shape[1]], param, shard_id, local)
+
+    def _scale_params(self, prefix: str) -> list[tuple[str, str]]:
+        """(checkpoint suffix, layer parameter) of the scales an expert projection carries: its weight
+        scale, and the static input scale when the config declares static activations."""
+        if self.scale_suffix is None:
+            return []
+        pairs = [(self.scale_suffix, f"{prefix}_weight_scale")]
+        return pairs + [(INPUT_SCALE, f"{prefix}_input_scale")] if self.spec.static else pairs
+
+    def _scale(self, name: str) -> torch.Tensor:
+        if name not in self.checkpoint.tensors:
+            raise UserError(f"'{self.checkpoint.folder}' has no tensor '{name}', which its quantization_config "
+                            "needs; re-download or requantize the checkpoint.")
+        return self.checkpoint.get(name).float()
 
     def load_router(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's router parameters in float32 by parameter name: `weight`, and `bias` or

@@ -4,7 +4,8 @@ For every MoE layer, the bf16 experts of SRC and the FP8 experts of DST are load
 through the same weight loader into `FusedMoE` layers, fed the same hidden states
 (seeded, scaled by the layer's own input RMSNorm weight; or read from a file),
 routed by the layer's real router weights with the family's rule (Llama-4's router
-weight scales the expert input, as in transformers), and compared. Families whose
+weight scales the expert input, as in transformers), and compared. The FP8 side quantizes
+its activations as the checkpoint declares, with its static input scales if it has them. Families whose
 experts the fused-MoE layer cannot compute (gpt-oss) are refused.
 A float64 torch reference of each separates kernel error from quantization error.
 """
@@ -90,10 +91,8 @@ def _hidden_states(moe: MoECheckpoint, layer: int, tokens: int, seed: int, file:
 
 
 def _reference(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> torch.Tensor:
-    w13_scale, w2_scale = layer.quant_method.scales(layer)
     return fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids,
-                                   quant=layer.quant_method.spec, w13_scale=w13_scale, w2_scale=w2_scale,
-                                   compute_dtype=dtype)
+                                   **layer.quant_method.kernel_args(layer), compute_dtype=dtype)
 
 
 def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens: int, seed: int,

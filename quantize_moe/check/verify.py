@@ -25,7 +25,9 @@ from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside, read_json_object
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
+from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.ignore_list import ignore_matcher
+from quantize_moe.adapters.fused import scale_name
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.write.manifest import Manifest
 from quantize_moe.write.destination import MANIFEST_NAME, PARTIAL_SUFFIX
@@ -159,15 +161,35 @@ def check_metadata(inventory: Inventory) -> Finding:
             problems.append(f"'{module}' is FP8 but listed as ignored")
         if not stored.quantized and not ignored(module):
             problems.append(f"'{module}' stays {stored.info.dtype} but is not listed as ignored")
-        if stored.quantized and qc.get("activation_scheme") == "static" and \
-                f"{module}.input_scale" not in inventory.scales:
-            problems.append(f"'{module}' has no input_scale, but activation_scheme is static")
+    if inventory.spec.static:
+        problems += _static_input_scale_problems(inventory)
     # An entry may name any module holding tensors (llm-compressor lists model.embed_tokens), not only Linears.
     holders = {name.rsplit(".", 1)[0] for name in inventory.checkpoint.tensors}
     problems += [f"ignore entry '{e}' names no module" for e in entries
                  if not e.startswith("re:") and e not in modules and e not in holders]
     summary = f"{qc.get('quant_method')} config; its {len(entries)} ignore entries are exactly the kept Linears"
     return _finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
+
+
+def _static_input_scale_problems(inventory: Inventory) -> list[str]:
+    """Static activations: every FP8 weight (Linear, expert or fused expert tensor) has its input scale,
+    one value per module (per expert, shaped like the weight scale, for fused expert tensors). Whether
+    the values are finite and positive is `check_scales`'s."""
+    problems = []
+    for name, stored in inventory.tensors.items():
+        if not stored.quantized:
+            continue
+        scale = inventory.scales.get(scale_name(name, INPUT_SCALE))
+        if scale is None:
+            problems.append(f"'{scale_name(name, INPUT_SCALE)}' is missing, but the config declares static "
+                            "activations")
+            continue
+        weight_scale = inventory.scale_of(name)
+        values = math.prod(weight_scale.shape) if stored.role.fused and weight_scale else 1
+        if math.prod(scale.shape) != values:
+            problems.append(f"'{scale.name}' has shape {scale.shape}; a static input scale is one value per "
+                            "module (per expert in a fused expert tensor)")
+    return problems
 
 
 # -- scales -----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from quantize_moe.errors import UserError
-from quantize_moe.moe.methods import ROW_SCALE, TENSOR_SCALE, WEIGHT, FusedMoEMethodBase
+from quantize_moe.moe.methods import INPUT_SCALE, ROW_SCALE, TENSOR_SCALE, WEIGHT, FusedMoEMethodBase
 
 
 class FusedMoE(nn.Module):
@@ -26,7 +26,8 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
                       shard_id: str, expert_id: int) -> None:
-        """Copy one checkpoint tensor of expert `expert_id`, shard w1 (gate), w3 (up) or w2 (down)."""
+        """Copy one checkpoint tensor of expert `expert_id`, shard w1 (gate), w3 (up) or w2 (down); a static
+        input scale of w1 and w3 lands in the expert's one w13 input scale, so the two must agree."""
         if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"shard_id must be w1, w2 or w3, not {shard_id!r}")
         if (shard_id == "w2") != weight_name.startswith("w2_"):
@@ -40,6 +41,12 @@ class FusedMoE(nn.Module):
         if loaded_weight.numel() != target.numel():
             raise UserError(f"{self.name}: expert {expert_id} {shard_id} tensor for {weight_name} has shape "
                             f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}.")
+        other = {"w1": "w3", "w3": "w1"}.get(shard_id)
+        if param.shard_kind == INPUT_SCALE and (weight_name, expert_id, other) in self._loaded and \
+                not torch.isclose(target, loaded_weight.reshape(()).to(target.dtype), rtol=1e-5, atol=0):
+            # gate and up see the same input, and the engines' w13 GEMM quantizes it once (vLLM refuses too)
+            raise UserError(f"{self.name}: expert {expert_id} has input scales {target.item()} ({other}) and "
+                            f"{loaded_weight.item()} ({shard_id}); gate and up must carry the same input_scale.")
         target.copy_(loaded_weight.reshape(target.shape))
         self._loaded.add((weight_name, expert_id, shard_id))
 

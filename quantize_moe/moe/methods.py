@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from quantize_moe.errors import UserError
 from quantize_moe.quantization import fp8
 from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
 
@@ -20,12 +21,24 @@ from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec, expand_wei
 WEIGHT = "weight"  # [E, rows, cols]: w1 fills the first half of w13's rows, w3 the second
 TENSOR_SCALE = "tensor_scale"  # w13: [E, 2] (gate, up) until max-requantized to [E]; w2: [E]
 ROW_SCALE = "row_scale"  # per-channel [E, rows] or per-block [E, row_blocks, col_blocks]
+INPUT_SCALE = "input_scale"  # static activation scale [E]: w1 and w3 of an expert must carry the same one
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shard_kind = kind
     return p
+
+
+def layer_input_scale(scales: torch.Tensor, what: str) -> torch.Tensor:
+    """Static input scales of a layer's experts (or one module) reduced to their max, float32 [1], after
+    checking each is finite and positive: NaN or zero would quantize every input to NaN or infinity."""
+    scales = scales.float().flatten()
+    bad = torch.nonzero(~torch.isfinite(scales) | (scales <= 0)).flatten().tolist()
+    if bad:
+        raise UserError(f"{what} holds {scales[bad[0]].item()} at position {bad[0]}; a static input scale must "
+                        "be finite and positive (recalibrate the checkpoint).")
+    return scales.max().reshape(1)
 
 
 class FusedMoEMethodBase:
@@ -45,11 +58,20 @@ class FusedMoEMethodBase:
     def scales(self, layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
 
+    def input_scales(self, layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(a13 [1], a2 [1]) static activation scales of the two GEMMs after loading, or (None, None)."""
+        return None, None
+
+    def kernel_args(self, layer: nn.Module) -> dict:
+        """The scale arguments of `fused_experts` and its torch reference for this layer."""
+        (w13_scale, w2_scale), (a13_scale, a2_scale) = self.scales(layer), self.input_scales(layer)
+        return dict(quant=self.spec, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13_scale,
+                    a2_scale=a2_scale)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               *, use_kernels: bool) -> torch.Tensor:
-        w13_scale, w2_scale = self.scales(layer)
         args = (x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        kwargs = dict(quant=self.spec, w13_scale=w13_scale, w2_scale=w2_scale)
+        kwargs = self.kernel_args(layer)
         if use_kernels:
             from quantize_moe.kernels import fused_experts
             return fused_experts(*args, **kwargs)
@@ -89,8 +111,24 @@ class Fp8FusedMoEMethod(FusedMoEMethodBase):
             layer.w13_weight_scale = _param((E, 2 * math.ceil(I / bn), math.ceil(H / bk)), torch.float32,
                                             ROW_SCALE)
             layer.w2_weight_scale = _param((E, math.ceil(H / bn), math.ceil(I / bk)), torch.float32, ROW_SCALE)
+        if self.spec.static:
+            layer.w13_input_scale = _param((E,), torch.float32, INPUT_SCALE)
+            layer.w2_input_scale = _param((E,), torch.float32, INPUT_SCALE)
 
     def process_weights_after_loading(self, layer):
+        if self.spec.static:
+            self._reduce_input_scales(layer)
+        self._requantize_w13(layer)
+
+    @staticmethod
+    def _reduce_input_scales(layer):
+        """Every expert's GEMM quantizes its input with the layer's one scale, as in vLLM's Fp8MoEMethod."""
+        for name in ("w13_input_scale", "w2_input_scale"):
+            reduced = layer_input_scale(getattr(layer, name).data, f"{layer.name} {name}")
+            setattr(layer, name, _param((1,), torch.float32, INPUT_SCALE))
+            getattr(layer, name).data.copy_(reduced)
+
+    def _requantize_w13(self, layer):
         """Per-tensor: gate and up may carry different scales (AutoFP8, llm-compressor); requantize both
         halves with their max, as vLLM does, so one scale per expert reaches the kernel."""
         if self.spec.weight != "tensor" or layer.w13_weight_scale.dim() == 1:
@@ -110,6 +148,11 @@ class Fp8FusedMoEMethod(FusedMoEMethodBase):
 
     def scales(self, layer):
         return layer.w13_weight_scale.data, layer.w2_weight_scale.data
+
+    def input_scales(self, layer):
+        if not self.spec.static:
+            return None, None
+        return layer.w13_input_scale.data, layer.w2_input_scale.data
 
     def dequantized_weights(self, layer):
         return tuple(w.data.float() * expand_weight_scale(s.data, self.spec, w.shape)

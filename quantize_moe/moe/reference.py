@@ -63,8 +63,15 @@ def _expand_groups(scale: torch.Tensor, group_size: int, length: int) -> torch.T
     return scale.repeat_interleave(group_size, dim=-1)[..., :length]
 
 
-def quantize_activation(x: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize activations [T, K] as `quant.activation` says: (q, scale)."""
+def quantize_activation(x: torch.Tensor, quant: MoEQuantSpec,
+                        static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations [T, K] as `quant.activation` says: (q, scale). Static activations take their
+    calibrated scale [1] from the checkpoint; values past 448 x scale saturate, as in the engines."""
+    if quant.static:
+        if static_scale is None:
+            raise ValueError("static activations need their input scale")
+        scale = static_scale.float().reshape(1).to(x.device)
+        return _to_fp8(x, scale), scale
     if quant.activation == "token":
         return quantize_per_token(x)
     if quant.activation == "tensor":
@@ -107,9 +114,9 @@ def quantize_weight(w: torch.Tensor, quant: MoEQuantSpec) -> tuple[torch.Tensor,
     return q.to(w.device), grid.to(w.device)
 
 
-def _fake_quantize(x: torch.Tensor, quant: MoEQuantSpec) -> torch.Tensor:
-    """Round activations through FP8 and back, keeping x's dtype."""
-    q, scale = quantize_activation(x.float(), quant)
+def fake_quantize(x: torch.Tensor, quant: MoEQuantSpec, static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Round activations [T, K] through FP8 and back, keeping x's dtype."""
+    q, scale = quantize_activation(x.float(), quant, static_scale)
     return dequantize_activation(q, scale, quant, x.dtype)
 
 
@@ -123,26 +130,35 @@ def fused_experts_reference(
     quant: MoEQuantSpec = UNQUANTIZED,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     quantize_activations: bool = True,
+    weights_dequantized: bool = False,
 ) -> torch.Tensor:
     """The MoE layer sum_k w_k * W2_e (SiLU(gate_e x) * up_e x), returned in compute_dtype.
 
     hidden_states [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k]; topk_ids [T, k]. FP8 weights are dequantized with their
     scales; when quant.is_fp8 and quantize_activations, the GEMM inputs are
-    quantized dynamically as the kernels do (the second GEMM's input over all
-    (token, k) pairs at once, which matters for per-tensor scales).
+    quantized as the kernels do: dynamically (the second GEMM's input over all
+    (token, k) pairs at once, which matters for per-tensor scales), or with the
+    static scales a13_scale / a2_scale [1]. With weights_dequantized, w13 and
+    w2 are FP8 weights already dequantized (the layer-streamed model's): only
+    the activations are quantized as `quant` says.
     """
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     fake_quant = quant.is_fp8 and quantize_activations
-    w13_full = dequantize_weight(w13, w13_scale, quant, compute_dtype)
-    w2_full = dequantize_weight(w2, w2_scale, quant, compute_dtype)
+    if weights_dequantized:
+        w13_full, w2_full = w13.to(compute_dtype), w2.to(compute_dtype)
+    else:
+        w13_full = dequantize_weight(w13, w13_scale, quant, compute_dtype)
+        w2_full = dequantize_weight(w2, w2_scale, quant, compute_dtype)
 
     x = hidden_states.to(compute_dtype)
     if fake_quant:
-        x = _fake_quantize(x, quant)
+        x = fake_quantize(x, quant, a13_scale)
     expert_of_pair = topk_ids.reshape(-1).long()
     token_of_pair = torch.arange(num_tokens * top_k, device=x.device) // top_k
     pairs_of_expert = {int(e): (expert_of_pair == e).nonzero().squeeze(1) for e in expert_of_pair.unique()}
@@ -152,7 +168,7 @@ def fused_experts_reference(
         gate_up = x[token_of_pair[pairs]] @ w13_full[expert].T
         act[pairs] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     if fake_quant:
-        act = _fake_quantize(act, quant)
+        act = fake_quantize(act, quant, a2_scale)
 
     out = torch.empty(num_tokens * top_k, w2.shape[1], dtype=compute_dtype, device=x.device)
     for expert, pairs in pairs_of_expert.items():

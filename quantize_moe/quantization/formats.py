@@ -105,10 +105,17 @@ def ignore_entries(ignored: list[str], quantized: list[str]) -> list[str]:
 FORMATS = {fmt.name: fmt for fmt in (NativeFp8Format(), CompressedTensorsFormat())}
 
 
+INPUT_SCALE = "input_scale"  # `<module>.input_scale`: the static activation scale of a quantized Linear's input
+
+_COMPRESSED_ACTIVATIONS = {(True, "token"): "token", (True, "tensor"): "tensor", (True, "group"): "group",
+                           (False, "tensor"): "static"}
+
+
 def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str | None]:
-    """What a checkpoint's `quantization_config` says about its experts: the layer's quant spec and
-    the suffix of the scale tensors (None for an unquantized checkpoint). Reads our own output and
-    the formats other tools write (AutoFP8, llm-compressor, DeepSeek block FP8)."""
+    """What a checkpoint's `quantization_config` says about its experts: the layer's quant spec (weights
+    and input activations: dynamic per token, tensor or group, or static per tensor) and the suffix of
+    the scale tensors (None for an unquantized checkpoint). Reads our own output and the formats other
+    tools write (AutoFP8, llm-compressor, DeepSeek block FP8)."""
     qc = raw_config.get("quantization_config")
     if qc is None:
         return UNQUANTIZED, None
@@ -119,16 +126,40 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
                         "it in transformers with Mxfp4Config(dequantize=True) and save_pretrained).")
     if method == "fp8":
         block = qc.get("weight_block_size")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise UserError(f"{where} has activation_scheme {scheme!r}; native fp8 activations are 'dynamic' "
+                            "or 'static'.")
         if block:
-            return MoEQuantSpec("block", "group", tuple(block)), "weight_scale_inv"
-        return SCHEMES["tensor"].moe_spec, "weight_scale"
+            return _spec(where, "block", "static" if scheme == "static" else "group", tuple(block)), \
+                "weight_scale_inv"
+        spec = SCHEMES["tensor"].moe_spec
+        return (_spec(where, "tensor", "static") if scheme == "static" else spec), "weight_scale"
     if method == "compressed-tensors":
-        weights = next(iter(qc.get("config_groups", {}).values()), {}).get("weights") or {}
+        group = next(iter(qc.get("config_groups", {}).values()), {})
+        weights = group.get("weights") or {}
         strategy = weights.get("strategy")
-        if strategy == "block":
-            return MoEQuantSpec("block", "group", tuple(weights.get("block_structure") or (128, 128))), \
-                "weight_scale"
-        if strategy in ("tensor", "channel"):
-            return SCHEMES[strategy].moe_spec, "weight_scale"
+        if strategy in ("tensor", "channel", "block"):
+            block = tuple(weights.get("block_structure") or (128, 128)) if strategy == "block" else None
+            activations = group.get("input_activations")
+            if not activations:  # weight-only: engines still quantize the activations of FP8 GEMMs dynamically
+                return SCHEMES[strategy].moe_spec if block is None else _spec(where, "block", "group", block), \
+                    "weight_scale"
+            key = (activations.get("dynamic") is not False, activations.get("strategy"))
+            if key not in _COMPRESSED_ACTIVATIONS:
+                raise UserError(f"{where} declares {'dynamic' if key[0] else 'static'} input activations with "
+                                f"strategy {key[1]!r}, which quantize-moe cannot run; it reads dynamic token, "
+                                "tensor or group activations and static tensor ones.")
+            return _spec(where, strategy, _COMPRESSED_ACTIVATIONS[key], block), "weight_scale"
     raise UserError(f"{where} has a quantization_config (quant_method {method!r}) that quantize-moe "
                     "cannot read; it reads fp8 and compressed-tensors FP8 checkpoints.")
+
+
+def _spec(where: str, weight: str, activation: str, block: tuple[int, int] | None = None) -> MoEQuantSpec:
+    """The spec, or one sentence for a combination no engine runs (e.g. static activations with block
+    weights: vLLM takes static activation scales with per-tensor weights only)."""
+    try:
+        return MoEQuantSpec(weight, activation, block)
+    except ValueError as error:
+        raise UserError(f"{where} declares {weight} weights with {activation} activations, which quantize-moe "
+                        f"cannot run ({error}).") from None

@@ -6,9 +6,14 @@ objects, so that all three agree on scale shapes:
 | weight | w13 scale            | w2 scale            | activations                      |
 |--------|----------------------|---------------------|----------------------------------|
 | none   | -                    | -                   | bf16/fp16                        |
-| tensor | [E] float32          | [E] float32         | dynamic per token or per tensor  |
+| tensor | [E] float32          | [E] float32         | dynamic per token or per tensor, |
+|        |                      |                     | or static: w13/w2 input scales   |
 | channel| [E, 2I] float32      | [E, H] float32      | dynamic per token                |
 | block  | [E, ceil(2I/bn), ceil(H/bk)] | [E, ceil(H/bn), ceil(I/bk)] | dynamic per token and bk channels |
+
+Static activations (calibrated, per tensor) come with per-expert input scales
+`w13_input_scale` / `w2_input_scale` [E] in the checkpoint, which the layer reduces to
+their max over experts at load, as vLLM's Fp8MoEMethod does: one float32 scale per GEMM.
 
 A scale is always the dequantization multiplier: w ~= w_fp8.float() * scale.
 """
@@ -19,7 +24,7 @@ from typing import Literal
 import torch
 
 WeightScheme = Literal["none", "tensor", "channel", "block"]
-ActivationScheme = Literal["token", "tensor", "group"]
+ActivationScheme = Literal["token", "tensor", "group", "static"]
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,17 @@ class MoEQuantSpec:
             raise ValueError("block weights go with per-token-group activations")
         if self.weight == "channel" and self.activation != "token":
             raise ValueError("channel weights go with per-token activations")
+        if self.activation == "static" and self.weight != "tensor":
+            raise ValueError("static activations go with per-tensor weights")
 
     @property
     def is_fp8(self) -> bool:
         return self.weight != "none"
+
+    @property
+    def static(self) -> bool:
+        """Activations quantized with calibrated input scales from the checkpoint."""
+        return self.activation == "static"
 
 
 UNQUANTIZED = MoEQuantSpec()

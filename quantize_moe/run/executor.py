@@ -1,6 +1,6 @@
 """A layer-streamed forward pass: embeddings, each decoder layer, final norm and lm_head, built by transformers
 on the meta device and loaded one stage at a time from the checkpoint (FP8 weights dequantized by
-SourceReader), so peak memory is one layer plus the activations of the token batches, never the model.
+SourceReader, FP8 activations rounded as the checkpoint declares: run/activations.py), so peak memory is one layer plus the activations of the token batches, never the model.
 
 Masks, position ids and rotary embeddings are whatever the family's own `*Model.forward` passes each layer:
 they are captured by running that forward once per batch with recorders in place of the layers."""
@@ -13,6 +13,7 @@ import torch
 
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
+from quantize_moe.run.activations import activations_as_declared
 
 
 class _Captured(Exception):
@@ -114,10 +115,11 @@ class LayerStreamedModel:
         hidden, per_layer = self._layer_inputs(batches)
         for index, layer in enumerate(self.layers):
             self._materialise(layer, (f"model.layers.{index}.",), f"layer {index}")
-            for b, calls in enumerate(per_layer):
-                args, kwargs = calls[index]
-                out = layer(hidden[b], *args, **kwargs)
-                hidden[b] = out[0] if isinstance(out, tuple) else out
+            with activations_as_declared(self.reader, layer, index):
+                for b, calls in enumerate(per_layer):
+                    args, kwargs = calls[index]
+                    out = layer(hidden[b], *args, **kwargs)
+                    hidden[b] = out[0] if isinstance(out, tuple) else out
             layer.to("meta")
             yield index, hidden
 

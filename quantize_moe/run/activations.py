@@ -1,0 +1,107 @@
+"""The activations of an FP8 checkpoint quantized as it declares, inside the layer-streamed model.
+
+`SourceReader` dequantizes FP8 weights, but an engine also rounds the input of every FP8 GEMM to FP8:
+dynamically (per token, per tensor or per 128-column group) or with the checkpoint's static
+`input_scale`. Without that rounding `evaluate` would measure the weights alone, and a checkpoint whose
+static scales are wrong would look as good as a right one. While a decoder layer runs,
+`activations_as_declared` fake-quantizes the input of each Linear whose weight is FP8 in the checkpoint
+(a forward pre-hook) and runs the family's experts module through the fused-MoE torch reference, whose
+activations are quantized like the kernels' (static: one scale per layer and GEMM, the max over experts,
+as vLLM loads them).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from quantize_moe.adapters import Kind
+from quantize_moe.adapters.fused import scale_name
+from quantize_moe.adapters.reader import SourceReader
+from quantize_moe.errors import UserError
+from quantize_moe.moe.methods import layer_input_scale
+from quantize_moe.moe.reference import fake_quantize, fused_experts_reference
+from quantize_moe.quantization.formats import INPUT_SCALE
+from quantize_moe.quantization.fp8 import FP8_DTYPE
+
+
+def _input_scale(reader: SourceReader, weights: list[str], what: str) -> torch.Tensor | None:
+    """The static input scale of these FP8 weights (the max of theirs), None for dynamic activations."""
+    if not reader.spec.static:
+        return None
+    names = [scale_name(name, INPUT_SCALE) for name in weights]
+    missing = [name for name in names if name not in reader.checkpoint.tensors]
+    if missing:
+        raise UserError(f"'{reader.checkpoint.folder}' declares static activations but has no '{missing[0]}'; "
+                        "recalibrate the checkpoint.")
+    return layer_input_scale(torch.cat([reader.checkpoint.get(name).float().flatten() for name in names]), what)
+
+
+def _linear_hook(reader: SourceReader, scale: torch.Tensor | None):
+    def hook(module, args):
+        x = args[0]
+        return (fake_quantize(x.reshape(-1, x.shape[-1]), reader.spec, scale).reshape(x.shape), *args[1:])
+    return hook
+
+
+def _experts_forward(module: torch.nn.Module, reader: SourceReader, a13: torch.Tensor | None,
+                     a2: torch.Tensor | None):
+    """transformers' experts call `(hidden_states [T, H], top_k_index, top_k_weights)` computed by the
+    reference with FP8-rounded activations; weights are the dequantized ones already in the module."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        w13, w2 = module.gate_up_proj, module.down_proj
+        if module.is_transposed:  # stored [E, H, 2I] / [E, I, H]
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        return fused_experts_reference(hidden_states, w13, w2, top_k_weights, top_k_index, quant=reader.spec,
+                                       a13_scale=a13, a2_scale=a2,
+                                       weights_dequantized=True).to(hidden_states.dtype)
+    return forward
+
+
+def _experts_module(layer: torch.nn.Module, where: str) -> torch.nn.Module:
+    candidates = [m for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if len(candidates) != 1 or getattr(candidates[0], "has_bias", True) or \
+            not getattr(candidates[0], "has_gate", False) or not getattr(candidates[0], "is_concatenated", False):
+        raise UserError(f"{where}: the FP8 experts are not in one gated, bias-free experts module of "
+                        "transformers, so their activations cannot be quantized as an engine does; evaluate "
+                        "cannot run this family's FP8 checkpoint.")
+    return candidates[0]
+
+
+@contextmanager
+def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index: int):
+    """While the block runs, decoder layer `index` (materialised, named `model.layers.{index}` in the
+    checkpoint) rounds the inputs of its FP8 GEMMs as the checkpoint's quantization_config says."""
+    prefix, tensors = f"model.layers.{index}.", reader.checkpoint.tensors
+    where = f"'{reader.checkpoint.folder}' layer {index}"
+    fp8 = [n for n, info in tensors.items() if n.startswith(prefix) and info.dtype == FP8_DTYPE]
+    roles = {name: reader.family.role(name, len(tensors[name].shape)) for name in fp8}
+    experts = [name for name in fp8 if roles[name].kind == Kind.ROUTED_EXPERT]
+    handles, linears = [], set()
+    for name, module in layer.named_modules():
+        weight = f"{prefix}{name}.weight"
+        if isinstance(module, torch.nn.Linear) and weight in roles and weight not in experts:
+            scale = _input_scale(reader, [weight], f"'{scale_name(weight, INPUT_SCALE)}'")
+            handles.append(module.register_forward_pre_hook(_linear_hook(reader, scale)))
+            linears.add(weight)
+    unmatched = [name for name in fp8 if name not in linears and name not in experts]
+    if unmatched:
+        for handle in handles:
+            handle.remove()
+        raise UserError(f"{where}: FP8 tensor '{unmatched[0]}' belongs to no Linear of transformers' layer, so its "
+                        "activations cannot be quantized as an engine does; evaluate cannot run this checkpoint.")
+    module = None
+    if experts:
+        module = _experts_module(layer, where)
+        shards = {name: roles[name].fused.shards if roles[name].fused else (roles[name].shard_id,) for name in experts}
+        a13 = _input_scale(reader, [n for n in experts if shards[n] != ("w2",)], f"{where} expert w1/w3 input_scale")
+        a2 = _input_scale(reader, [n for n in experts if shards[n] == ("w2",)], f"{where} expert w2 input_scale")
+        module.forward = _experts_forward(module, reader, a13, a2)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        if module is not None:
+            del module.forward
