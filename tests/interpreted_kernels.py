@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_inputs import MODES, assert_valid_alignment, quantized, random_problem, relative_error
+from moe_inputs import MODES, STATIC, assert_valid_alignment, quantized, random_problem, relative_error, with_static_scales
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.activation import silu_and_mul
 from quantize_moe.kernels.align import moe_align_block_size
@@ -75,6 +75,26 @@ def test_grouped_gemm_fp8_operands(mode, config):
     w2 = dequantize_weight(p.w2, p.w2_scale, p.quant, torch.float64)[flat_ids]
     expected = torch.einsum("pi,phi->ph", act_exact, w2) * weights.double().unsqueeze(1)
     assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("config", ["n64", "n256-tma-split-k", "n64-tma-persistent"])
+def test_grouped_gemm_with_static_activation_scales(config):
+    """Static activations: inputs quantized (with saturation) by the checkpoint's one scale, which the
+    GEMM applies once per tile like a dynamic per-tensor scale."""
+    p = with_static_scales(random_problem(6, 256, 160, 4, 2), headroom=0.8)
+    q, scale = quantize_activation(p.hidden_states, STATIC, p.a13_scale)
+    assert torch.equal(scale, p.a13_scale) and q.float().abs().max() == 448  # the largest saturate
+    assert _gate_up_error(p, (q, scale), _aligned(p, FP8_CONFIGS[config])) < 1e-5
+
+
+@pytest.mark.parametrize("fuse_silu_mul", [False, True])
+def test_static_quantization_uses_the_given_scale(fuse_silu_mul):
+    """The kernel takes the checkpoint's scale as it is (values: on the GPU, where fp8 casts are right)."""
+    x = torch.randn(5, 2 * 300)
+    _, scale = quantize_fp8(x, STATIC, fuse_silu_mul=fuse_silu_mul, static_scale=torch.tensor([0.003]))
+    assert scale.tolist() == [torch.tensor(0.003).item()]
+    with pytest.raises(ValueError, match="input scale"):
+        quantize_fp8(x, STATIC)
 
 
 def test_block_scales_over_many_orders_of_magnitude_and_zero():

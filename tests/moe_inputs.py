@@ -3,9 +3,10 @@
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
-from quantize_moe.moe.reference import quantize_weight
+from quantize_moe.moe.reference import FP8_MAX_INV, dequantize_weight, fake_quantize, quantize_weight
 
 # Every quantization mode the kernels support, by a short test id.
 MODES = {
@@ -14,6 +15,8 @@ MODES = {
     "fp8-channel": MoEQuantSpec("channel", "token"),
     "fp8-block128": MoEQuantSpec("block", "group", (128, 128)),
 }
+# Static per-tensor activations need scales per problem (`with_static_scales`), so they are a mode of their own.
+STATIC = MoEQuantSpec("tensor", "static")
 
 
 @dataclass
@@ -26,12 +29,15 @@ class Problem:
     quant: MoEQuantSpec = UNQUANTIZED
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
 
     def args(self):
         return self.hidden_states, self.w13, self.w2, self.topk_weights, self.topk_ids
 
     def kwargs(self):
-        return dict(quant=self.quant, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        return dict(quant=self.quant, w13_scale=self.w13_scale, w2_scale=self.w2_scale, a13_scale=self.a13_scale,
+                    a2_scale=self.a2_scale)
 
 
 def random_problem(tokens, hidden, inter, experts, top_k, dtype=torch.float32, device="cpu") -> Problem:
@@ -54,6 +60,22 @@ def quantized(problem: Problem, quant: MoEQuantSpec) -> Problem:
     w13, w13_scale = quantize_weight(problem.w13, quant)
     w2, w2_scale = quantize_weight(problem.w2, quant)
     return replace(problem, w13=w13, w2=w2, quant=quant, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def with_static_scales(problem: Problem, headroom: float = 1.0) -> Problem:
+    """The problem with FP8 per-tensor weights and static activation scales: amax / 448 of each GEMM's
+    input as a calibration on these very tokens measures it, times `headroom` (< 1 saturates the largest
+    inputs, as scales calibrated on other text do). With headroom 1 these are the dynamic per-tensor scales."""
+    p = quantized(problem, STATIC)
+    a13_scale = (p.hidden_states.float().abs().max() * FP8_MAX_INV * headroom).reshape(1)
+    x = fake_quantize(p.hidden_states.float(), STATIC, a13_scale)  # what the second GEMM's input comes from
+    w13 = dequantize_weight(p.w13, p.w13_scale, STATIC, torch.float32)
+    inter, act_amax = p.w2.shape[2], torch.zeros((), device=x.device)
+    for expert in p.topk_ids.unique().tolist():
+        rows = (p.topk_ids == expert).any(dim=1)
+        gate_up = x[rows] @ w13[expert].T
+        act_amax = torch.maximum(act_amax, (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).abs().max())
+    return replace(p, a13_scale=a13_scale, a2_scale=(act_amax * FP8_MAX_INV * headroom).reshape(1))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

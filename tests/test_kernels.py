@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_inputs import MODES, quantized, random_problem, relative_error
+from moe_inputs import MODES, quantized, random_problem, relative_error, with_static_scales
 from quantize_moe.kernels.configs import (
     CONFIG_KEYS, config_file_name, default_config, get_config, load_tuned_table, per_gemm,
 )
@@ -221,3 +222,21 @@ def test_wheel_ships_kernels_inside_quantize_moe(tmp_path):
     assert not any(name.startswith(("kernels/", "configs/")) for name in names)
     shipped_tables = {n.split("/")[-1] for n in names if n.startswith("quantize_moe/configs/") and n.endswith(".json")}
     assert shipped_tables == {n for n in os.listdir(REPO / "configs") if n.endswith(".json")}
+
+
+def test_static_activations_with_calibrated_scales_are_the_dynamic_per_tensor_layer():
+    """Static scales measured on the very tokens (amax / 448) give the dynamic per-tensor layer; scales
+    0.8 as large saturate the largest inputs and cost a little more; 1e-5 (a broken calibration) destroys it."""
+    problem = random_problem(16, 256, 128, 4, 2)
+    dynamic = quantized(problem, MODES["fp8-tensor-tensor"])
+    expected = fused_experts_reference(*dynamic.args(), **dynamic.kwargs())
+    exact = fused_experts_reference(*dynamic.args(), **dynamic.kwargs(), quantize_activations=False)
+    static = with_static_scales(problem)
+    assert relative_error(fused_experts_reference(*static.args(), **static.kwargs()), expected) < 1e-3
+    tight = with_static_scales(problem, headroom=0.8)
+    tight_error = relative_error(fused_experts_reference(*tight.args(), **tight.kwargs()), exact)
+    assert relative_error(expected, exact) < tight_error < 0.15
+    broken = replace(static, a13_scale=torch.tensor([1e-5]), a2_scale=torch.tensor([1e-5]))
+    assert relative_error(fused_experts_reference(*broken.args(), **broken.kwargs()), exact) > 0.5
+    with pytest.raises(ValueError, match="input scale"):
+        fused_experts_reference(*static.args(), **dict(static.kwargs(), a13_scale=None))

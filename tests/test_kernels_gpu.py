@@ -9,11 +9,11 @@ only kernel rounding (bf16 intermediates, FP8 accumulation) is left.
 import pytest
 import torch
 
-from moe_inputs import MODES, assert_valid_alignment, quantized, random_problem, relative_error
+from moe_inputs import MODES, STATIC, assert_valid_alignment, quantized, random_problem, relative_error, with_static_scales
 from quantize_moe.kernels import fused_experts
 from quantize_moe.kernels.align import moe_align_block_size
 from quantize_moe.kernels.quant import quantize_fp8
-from quantize_moe.moe.reference import fused_experts_reference, quantize_activation
+from quantize_moe.moe.reference import FP8_MAX_INV, fused_experts_reference, quantize_activation
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,6 +85,41 @@ def test_fp8(shape, mode):
     exact = fused_experts_reference(*problem.args(), **problem.kwargs(), compute_dtype=torch.float64,
                                     quantize_activations=False)
     assert relative_error(out, exact) < 0.1
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("headroom", [1.0, 0.8])
+def test_fp8_static_activations(shape, headroom):
+    """Static input scales (calibrated on these tokens, or 0.8 of that: the largest inputs saturate)."""
+    problem = with_static_scales(random_problem(*shape, dtype=torch.bfloat16, device="cuda"), headroom)
+    out, _ = _check(problem, FP8_TOLERANCE)
+    exact = fused_experts_reference(*problem.args(), **problem.kwargs(), compute_dtype=torch.float64,
+                                    quantize_activations=False)
+    assert relative_error(out, exact) < (0.1 if headroom == 1.0 else 0.2)
+
+
+@pytest.mark.parametrize("variant", ["split-k", "tma", "persistent"])
+def test_static_activations_in_launch_variants(variant):
+    problem = with_static_scales(random_problem(33, 640, 320, 16, 4, dtype=torch.bfloat16, device="cuda"), 0.8)
+    _check(problem, FP8_TOLERANCE, VARIANTS[variant])
+
+
+@pytest.mark.parametrize("fuse_silu_mul", [False, True])
+def test_static_activation_quantization_matches_reference(fuse_silu_mul):
+    """The given scale, values past 448 x scale saturated, like the torch reference (bitwise unfused)."""
+    x = (torch.randn(67, 2 * 700, device="cuda") * 3).to(torch.bfloat16)
+    values = x.float()
+    if fuse_silu_mul:
+        g, u = values.chunk(2, dim=1)
+        values = torch.nn.functional.silu(g) * u
+    scale = (values.abs().max() * FP8_MAX_INV * 0.7).reshape(1)
+    q, out_scale = quantize_fp8(x, STATIC, fuse_silu_mul=fuse_silu_mul, static_scale=scale)
+    q_ref, _ = quantize_activation(values, STATIC, scale)
+    assert torch.equal(out_scale, scale) and q.float().abs().max() == 448
+    if fuse_silu_mul:  # sigmoid's last bit can round to the neighbouring e4m3 value
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=2 ** -3, atol=0)
+    else:
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
