@@ -96,6 +96,7 @@ def make_static(dst: Path, scales: dict[str, float]) -> None:
                 index["weight_map"][f"{module}.input_scale"] = shard
         save_file(tensors, dst / shard, metadata={"format": "pt"})
     if index:
+        index_file.write_text(json.dumps(index, indent=2))
         index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(dst).tensors.values())
         index_file.write_text(json.dumps(index, indent=2))
     if native:

@@ -45,8 +45,8 @@ class FusedMoE(nn.Module):
         if param.shard_kind == INPUT_SCALE and (weight_name, expert_id, other) in self._loaded and \
                 not torch.isclose(target, loaded_weight.reshape(()).to(target.dtype), rtol=1e-5, atol=0):
             # gate and up see the same input, and the engines' w13 GEMM quantizes it once (vLLM refuses too)
-            raise UserError(f"{self.name}: expert {expert_id} has input scales {target.item()} ({other}) and "
-                            f"{loaded_weight.item()} ({shard_id}); gate and up must carry the same input_scale.")
+            raise UserError(f"{self.name}: expert {expert_id} has input scales {target.item():.6g} ({other}) and "
+                            f"{loaded_weight.item():.6g} ({shard_id}); gate and up must carry the same input_scale.")
         target.copy_(loaded_weight.reshape(target.shape))
         self._loaded.add((weight_name, expert_id, shard_id))
 

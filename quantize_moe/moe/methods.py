@@ -30,14 +30,15 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> nn.Paramete
     return p
 
 
-def layer_input_scale(scales: torch.Tensor, what: str) -> torch.Tensor:
-    """Static input scales of a layer's experts (or one module) reduced to their max, float32 [1], after
-    checking each is finite and positive: NaN or zero would quantize every input to NaN or infinity."""
+def layer_input_scale(scales: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """Static input scales (of a layer's experts, or of one module) reduced to their max, float32 [1],
+    after checking each is finite and positive (NaN or zero would turn every input into NaN or
+    infinity); `names[i]` says whose the i-th scale is."""
     scales = scales.float().flatten()
     bad = torch.nonzero(~torch.isfinite(scales) | (scales <= 0)).flatten().tolist()
     if bad:
-        raise UserError(f"{what} holds {scales[bad[0]].item()} at position {bad[0]}; a static input scale must "
-                        "be finite and positive (recalibrate the checkpoint).")
+        raise UserError(f"{names[bad[0]]} is {scales[bad[0]].item():.6g}; a static input scale must be finite and "
+                        "positive (recalibrate the checkpoint).")
     return scales.max().reshape(1)
 
 
@@ -124,7 +125,8 @@ class Fp8FusedMoEMethod(FusedMoEMethodBase):
     def _reduce_input_scales(layer):
         """Every expert's GEMM quantizes its input with the layer's one scale, as in vLLM's Fp8MoEMethod."""
         for name in ("w13_input_scale", "w2_input_scale"):
-            reduced = layer_input_scale(getattr(layer, name).data, f"{layer.name} {name}")
+            scales = getattr(layer, name).data
+            reduced = layer_input_scale(scales, [f"{layer.name}: expert {e}'s {name}" for e in range(len(scales))])
             setattr(layer, name, _param((1,), torch.float32, INPUT_SCALE))
             getattr(layer, name).data.copy_(reduced)
 

@@ -26,7 +26,7 @@ from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 
 
-def _input_scale(reader: SourceReader, weights: list[str], what: str) -> torch.Tensor | None:
+def _input_scale(reader: SourceReader, weights: list[str]) -> torch.Tensor | None:
     """The static input scale of these FP8 weights (the max of theirs), None for dynamic activations."""
     if not reader.spec.static:
         return None
@@ -35,7 +35,8 @@ def _input_scale(reader: SourceReader, weights: list[str], what: str) -> torch.T
     if missing:
         raise UserError(f"'{reader.checkpoint.folder}' declares static activations but has no '{missing[0]}'; "
                         "recalibrate the checkpoint.")
-    return layer_input_scale(torch.cat([reader.checkpoint.get(name).float().flatten() for name in names]), what)
+    scales = [reader.checkpoint.get(name).float().flatten() for name in names]
+    return layer_input_scale(torch.cat(scales), [f"'{name}'" for name, scale in zip(names, scales) for _ in scale])
 
 
 def _linear_hook(reader: SourceReader, scale: torch.Tensor | None):
@@ -82,7 +83,7 @@ def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index:
     for name, module in layer.named_modules():
         weight = f"{prefix}{name}.weight"
         if isinstance(module, torch.nn.Linear) and weight in roles and weight not in experts:
-            scale = _input_scale(reader, [weight], f"'{scale_name(weight, INPUT_SCALE)}'")
+            scale = _input_scale(reader, [weight])
             handles.append(module.register_forward_pre_hook(_linear_hook(reader, scale)))
             linears.add(weight)
     unmatched = [name for name in fp8 if name not in linears and name not in experts]
@@ -95,8 +96,8 @@ def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index:
     if experts:
         module = _experts_module(layer, where)
         shards = {name: roles[name].fused.shards if roles[name].fused else (roles[name].shard_id,) for name in experts}
-        a13 = _input_scale(reader, [n for n in experts if shards[n] != ("w2",)], f"{where} expert w1/w3 input_scale")
-        a2 = _input_scale(reader, [n for n in experts if shards[n] == ("w2",)], f"{where} expert w2 input_scale")
+        a13 = _input_scale(reader, [n for n in experts if shards[n] != ("w2",)])
+        a2 = _input_scale(reader, [n for n in experts if shards[n] == ("w2",)])
         module.forward = _experts_forward(module, reader, a13, a2)
     try:
         yield
