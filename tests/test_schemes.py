@@ -15,7 +15,7 @@ from quantize_moe.cli.app import app
 from quantize_moe.plan.compatibility import LOADS, block_tp_sizes
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import ignore_entries, read_quantization
-from quantize_moe.quantization.spec import expand_weight_scale
+from quantize_moe.quantization.spec import MoEQuantSpec, expand_weight_scale
 from quantize_moe.plan.plan import make_plan
 from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
@@ -151,7 +151,10 @@ def test_every_combination_writes_its_scales_and_reads_back(fmt, scheme, block_f
     assert out.tensors[f"{EXPERT}.w1.weight"].dtype == fp8.FP8_DTYPE
     scale = out.tensors[f"{EXPERT}.w1.{suffix}"]
     assert (scale.dtype, scale.shape) == (dtype, shape)
-    assert read_quantization(out.raw_config, "config.json") == (SCHEMES[scheme].moe_spec, suffix)
+    # compressed-tensors declares per-tensor activations under tensor weights (what vLLM's MoE method takes)
+    spec = MoEQuantSpec("tensor", "tensor") if (fmt, scheme) == ("compressed-tensors", "tensor") else \
+        SCHEMES[scheme].moe_spec
+    assert read_quantization(out.raw_config, "config.json") == (spec, suffix)
     assert out.raw_config["quantization_config"] == summary.plan.quantization_config
     assert all(c.ok for c in check_expert_weights(src, tmp_path / "out"))
 
