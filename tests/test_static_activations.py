@@ -155,7 +155,8 @@ def test_verify_passes_a_static_checkpoint_and_names_each_broken_input_scale(sta
     attention = "model.layers.0.self_attn.o_proj.input_scale"
 
     def damage(tensors):
-        tensors.pop(f"{EXPERT}.w2.input_scale", None)
+        if f"{EXPERT}.w2.input_scale" in tensors:
+            tensors["model.layers.0.input_layernorm.input_scale"] = tensors.pop(f"{EXPERT}.w2.input_scale")
         for name, value in ((f"{EXPERT}.w1.input_scale", float("nan")), (attention, 0.0)):
             if name in tensors:
                 tensors[name] = torch.full_like(tensors[name], value)
@@ -166,6 +167,7 @@ def test_verify_passes_a_static_checkpoint_and_names_each_broken_input_scale(sta
     assert f"'{EXPERT}.w2.input_scale' is missing, but the config declares static activations" in failures
     assert f"'{EXPERT}.w1.input_scale' holds NaN or Inf" in failures
     assert f"'{attention}' holds a zero or negative scale" in failures
+    assert "scale 'model.layers.0.input_layernorm.input_scale' belongs to no FP8 weight" in failures
 
 
 def test_verify_refuses_a_static_checkpoint_missing_every_expert_input_scale(static_pair, tmp_path):

@@ -110,6 +110,7 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
     for name, stored in inventory.tensors.items():
         if not stored.quantized:
             continue
+        weights_with_scales.add(scale_name(name, INPUT_SCALE))
         scale = inventory.scale_of(name)
         if scale is None:
             problems.append(f"FP8 weight '{name}' has no '{inventory.scale_suffix}'")
@@ -121,7 +122,7 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
             problems.append(f"scale '{scale.name}' has shape {scale.shape}, which does not fit "
                             f"{inventory.spec.weight} scales of a {stored.info.shape} weight")
     problems += [f"scale '{n}' belongs to no FP8 weight" for n in inventory.scales
-                 if n not in weights_with_scales and not n.endswith("input_scale")]
+                 if n not in weights_with_scales]
 
     if source is not None:
         for name, info in source.tensors.items():
