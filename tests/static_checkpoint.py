@@ -74,6 +74,25 @@ def static_scales(dst: Path, measured: dict) -> dict[str, float]:
     return scales
 
 
+def edit_shards(folder: Path, edit, shards: list[str] | None = None) -> None:
+    """Rewrite each shard of `folder` (or only `shards`) after `edit(tensors)`, keeping the index's weight
+    map and total size consistent with what the edits added or removed."""
+    folder = Path(folder)
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    for shard in shards or (sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]):
+        tensors = load_file(folder / shard)
+        edit(tensors)
+        save_file(tensors, folder / shard, metadata={"format": "pt"})
+        if index:
+            index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard} | \
+                dict.fromkeys(tensors, shard)
+    if index:
+        index_file.write_text(json.dumps(index, indent=2))
+        index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(folder).tensors.values())
+        index_file.write_text(json.dumps(index, indent=2))
+
+
 def make_static(dst: Path, scales: dict[str, float]) -> None:
     """Write `<module>.input_scale` for every module in `scales` into the shard holding its weight,
     declare static activations, and drop the manifest (the shards changed, as a foreign tool's would)."""
@@ -81,24 +100,15 @@ def make_static(dst: Path, scales: dict[str, float]) -> None:
     config = json.loads((dst / "config.json").read_text())
     qc = config["quantization_config"]
     native = qc["quant_method"] == "fp8"
-    index_file = dst / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text()) if index_file.is_file() else None
-    by_shard = defaultdict(list)
-    for module in scales:
-        by_shard[index["weight_map"][f"{module}.weight"] if index else "model.safetensors"].append(module)
-    for shard, modules in by_shard.items():
-        tensors = load_file(dst / shard)
-        for module in modules:
-            dtype = torch.float32 if native else tensors[f"{module}.weight_scale"].dtype
-            value = torch.tensor(scales[module], dtype=torch.float32)
-            tensors[f"{module}.input_scale"] = (value if native else value.reshape(1)).to(dtype)
-            if index:
-                index["weight_map"][f"{module}.input_scale"] = shard
-        save_file(tensors, dst / shard, metadata={"format": "pt"})
-    if index:
-        index_file.write_text(json.dumps(index, indent=2))
-        index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(dst).tensors.values())
-        index_file.write_text(json.dumps(index, indent=2))
+
+    def add_scales(tensors):
+        for module in scales:
+            if f"{module}.weight" in tensors:
+                dtype = torch.float32 if native else tensors[f"{module}.weight_scale"].dtype
+                value = torch.tensor(scales[module], dtype=torch.float32)
+                tensors[f"{module}.input_scale"] = (value if native else value.reshape(1)).to(dtype)
+
+    edit_shards(dst, add_scales)
     if native:
         qc["activation_scheme"] = "static"
     else:

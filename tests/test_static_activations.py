@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from static_checkpoint import make_static, measured_input_scales, static_scales
+from static_checkpoint import edit_shards, make_static, measured_input_scales, static_scales
 
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.check.streamed_eval import evaluate
@@ -132,15 +130,7 @@ def static_pair(tmp_path_factory):
 def _edited(folder, tmp_path, edit):
     """A copy of `folder` with `edit(tensors)` applied to every shard."""
     copy = shutil.copytree(folder, tmp_path / folder.name)
-    index = json.loads((copy / "model.safetensors.index.json").read_text())
-    for shard in set(index["weight_map"].values()):
-        tensors = load_file(copy / shard)
-        edit(tensors)
-        save_file(tensors, copy / shard, metadata={"format": "pt"})
-        index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard} | dict.fromkeys(tensors, shard)
-    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(copy).tensors.values())
-    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    edit_shards(copy, edit)
     return copy
 
 

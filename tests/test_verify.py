@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from static_checkpoint import edit_shards
+
 from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.cli.app import app
 from quantize_moe.write.destination import MANIFEST_NAME
@@ -40,14 +42,7 @@ def damaged(pair, tmp_path):
 def edit_tensors(folder, edit):
     """Rewrite the shard holding EXPERT's weights after `edit(tensors)`; keeps the index consistent."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    file = index["weight_map"][f"{EXPERT}.w1.weight"]
-    tensors = load_file(folder / file)
-    edit(tensors)
-    save_file(tensors, folder / file, metadata={"format": "pt"})
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != file} | dict.fromkeys(tensors, file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    index["metadata"]["total_size"] = sum(i.nbytes for i in Checkpoint(folder).tensors.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    edit_shards(folder, edit, [index["weight_map"][f"{EXPERT}.w1.weight"]])
 
 
 def failed(report) -> dict[str, str]:
