@@ -72,7 +72,8 @@ class MoECheckpoint:
 
     def load_experts(self, layer: int, experts: range, device: str | torch.device = "cpu",
                      params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
-        """A `FusedMoE` of the layer's experts in `experts` only (renumbered from 0)."""
+        """A `FusedMoE` of the layer's experts in `experts` only (renumbered from 0); static input scales
+        are reduced over these experts, so only a whole layer carries the scales an engine would use."""
         info = self.layers[layer]
         moe = FusedMoE(len(experts), info.hidden_size, info.expert_width, method_for_spec(self.spec),
                        params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
