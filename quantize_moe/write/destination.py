@@ -87,7 +87,18 @@ def _atomic(path: Path, write) -> None:
 
 
 def write_shard(path: Path, tensors: dict) -> None:
-    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    """safetensors' save_file creates its file 0600; the shard gets the mode of every other output file."""
+    def save(tmp: Path) -> None:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, new_file_mode())
+    _atomic(path, save)
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it; set it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_text(path: Path, text: str) -> None:
