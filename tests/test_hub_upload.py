@@ -16,6 +16,7 @@ from huggingface_hub import ModelCard, constants
 from typer.testing import CliRunner
 
 from fake_hub import FakeHub
+from quantize_moe import __version__
 from quantize_moe.cli.app import app
 from quantize_moe.publish.model_card import VALIDATION_REPORT, build_card
 from quantize_moe.plan.options import Options
@@ -82,8 +83,11 @@ def test_model_card_front_matter_and_sections(quantized):
     assert "vllm serve org/tiny-moe-fp8" in card.text
     assert "router: top-k choices flip" in card.text
     # the resolved choice of `auto`, so the command reproduces the output even if the rule changes
-    assert ("quantize-moe quantize src dst --scheme channel --format compressed-tensors --max-shard-size 200000"
+    assert ("quantize-moe quantize SRC dst --scheme channel --format compressed-tensors --max-shard-size 200000"
             in card.text)
+    # not on PyPI: installed from its source; a local SRC is a placeholder, not this machine's path
+    assert "pip install quantize-moe\n" not in card.text and f"pip install quantize_moe-{__version__}.tar.gz" in card.text
+    assert "`SRC` is the original checkpoint" in card.text
     assert "## Validation" not in card.text
     assert ModelCard(str(card)).data.to_dict() == data  # the Hub parses what we write
 

@@ -2,7 +2,7 @@
 
 `quantize` writes `quantize_moe_run.json` (source, revision, options, the source card's
 license and language) and a card; `upload` rebuilds the card from the output as it is
-then, so a `validation.json` written later by `validate --json` lands in its table.
+then, so a `validation.json` written later by `validate --json-out` lands in its table.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from quantize_moe.write.destination import write_text
 from quantize_moe.plan.options import Options
 
 RUN_RECORD = "quantize_moe_run.json"
-VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json DST/validation.json`
+LOCAL_SOURCE = "SRC"
+VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json-out DST/validation.json`
 CARD_NAME = "README.md"
 CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
@@ -84,7 +85,8 @@ def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Option
         "base_model": origin.repo_id if origin else None,
         "base_revision": origin.revision if origin else None,
         "options": dataclasses.asdict(options),
-        "command": reproduce_command(origin.repo_id if origin else Path(src_text).name, dst, options),
+        # a local folder's path means nothing to a reader of the card: SRC stands for it
+        "command": reproduce_command(origin.repo_id if origin else LOCAL_SOURCE, dst, options),
         "source_card": {k: metadata[k] for k in CARRIED_OVER if metadata.get(k)},
     }, indent=2) + "\n")
 
@@ -126,7 +128,7 @@ def _validation_section(dst: Path) -> str:
         header = list(dict.fromkeys(k for row in rows for k in row))
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         raise UserError(f"'{path}' is not a validation report (a list of row objects, or one under 'layers'); "
-                        "write it with `quantize-moe validate --json`.") from None
+                        "write it with `quantize-moe validate --json-out`.") from None
     table = _markdown_table(header, [[_cell(row.get(k, "")) for k in header] for row in rows])
     where = f" on {data['device']}" if isinstance(data, dict) and data.get("device") else ""
     return f"\n## Validation\n\nEach MoE layer, FP8 against bf16, from `quantize-moe validate`{where}:\n\n{table}\n"
@@ -190,13 +192,25 @@ accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size 
 {_validation_section(dst)}
 ## Reproduce
 
-```
-pip install quantize-moe
-{record['command']}
-```
-"""
+{_reproduce_section(record)}"""
     checkpoint.close()
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _reproduce_section(record: dict) -> str:
+    """quantize-moe is not on PyPI: the card says how to install it from its source, and names a local
+    source as SRC."""
+    version = record["tool"].removeprefix("quantize-moe ")
+    local = (f"\n`{LOCAL_SOURCE}` is the original checkpoint, a local folder when this was made.\n"
+             if record["base_model"] is None else "")
+    return f"""quantize-moe is installed from its source: a checkout of it, or the sdist that `python -m build --sdist`
+makes there.
+
+```
+pip install quantize_moe-{version}.tar.gz    # or: pip install ./quantize-moe (a checkout)
+{record['command']}
+```
+{local}"""
 
 
 def write_card(dst: Path, repo_id: str | None = None) -> None:
