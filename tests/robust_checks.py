@@ -52,10 +52,11 @@ def run_cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
-def assert_refused(result, *fragments: str) -> str:
-    """Exit code 1 and only one error sentence on the terminal, containing every fragment."""
+def assert_refused(result, *fragments: str, code: int = 1) -> str:
+    """Exit code 1 (2 for a bad command line) and only one error sentence on the terminal, containing
+    every fragment."""
     text = " ".join(result.output.split())
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert text.startswith("error: ") and text.endswith("."), text
     assert text.count("error:") == 1, text

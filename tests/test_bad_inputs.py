@@ -184,13 +184,11 @@ CASES = {
     "pickle only": (lambda src, _: torch.save(to_pickle(src), src / "pytorch_model.bin"),
                     ["pytorch_model.bin", "--allow-pickle"], True),
     "crafted pickle": (crafted_pickle, ["pytorch_model.bin", "holds more than plain tensors"], True),
-    "max shard size not a size": (lambda src, _: ["--max-shard-size", "big"], ["--max-shard-size 'big'"], True),
     "shard the index does not list": (
         lambda src, _: shutil.copy(shard_of(src, EXPERT), src / "model-00009-of-00009.safetensors") and [],
         ["model-00009-of-00009.safetensors", "does not list", "different saves"], True),
     "tensor the index does not list": (lambda src, _: edit_weight_map(src, lambda m: m.pop(EXPERT)),
                                        [EXPERT, "does not list", "different saves"], True),
-    "resume and overwrite": (lambda src, _: ["--resume", "--overwrite"], ["pass only one"], True),
     "NaN in an expert": (nan_in(LAST_EXPERT), [LAST_EXPERT, "NaN or Inf"], False),
     "Inf in a kept norm": (nan_in(NORM), [NORM, "NaN or Inf"], False),
 }

@@ -20,8 +20,9 @@ def invoke(*args):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
-def assert_user_error(result, *fragments):
-    assert result.exit_code == 1, result.output
+def assert_user_error(result, *fragments, code=1):
+    """One sentence, no traceback; exit 1 for bad input, 2 for a bad command line (see test_usage)."""
+    assert result.exit_code == code, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     for fragment in fragments:
         assert fragment in " ".join(result.output.split()), result.output
@@ -52,7 +53,8 @@ def test_demo_runs_offline():
 
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
 def test_demo_offers_no_family_that_quantize_refuses(family):
-    assert_user_error(invoke("demo", "--family", family), f"--family {family} has no demo checkpoint", "mixtral")
+    assert_user_error(invoke("demo", "--family", family), f"--family {family} has no demo checkpoint", "mixtral",
+                      code=2)
 
 
 def test_overwrite_keeps_files_it_did_not_write(tiny_checkpoint, tmp_path):

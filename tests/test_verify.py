@@ -18,7 +18,8 @@ from quantize_moe.write.destination import MANIFEST_NAME
 from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import build_tiny_checkpoint
-from quantize_moe.check.verify import EXIT_FAILED, EXIT_OK, EXIT_UNREADABLE, verify
+from quantize_moe.check.verify import verify
+from quantize_moe.errors import EXIT_BAD_INPUT as EXIT_UNREADABLE, EXIT_CHECK_FAILED as EXIT_FAILED, EXIT_OK
 
 EXPERT = "model.layers.0.block_sparse_moe.experts.1"
 

@@ -10,7 +10,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 from quantize_moe.adapters.base import Kind, MoELayerInfo, PerExpertFamily, TensorRole
 from quantize_moe.adapters.families import FAMILIES
 from quantize_moe.adapters.generic import GENERIC, GenericFamily, NoExpertPattern, detect
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError, UserError
 
 __all__ = ["ADAPTERS", "Kind", "MoELayerInfo", "PerExpertFamily", "TensorRole", "adapter_for", "is_known",
            "parse_config", "supported_model_types"]
@@ -34,8 +34,8 @@ def adapter_for(raw_config: dict, where: str = "config.json", tensors: dict | No
     show. An unknown model_type whose tensors show a per-expert layout is refused with the option
     that opts in: the generic adapter is never used silently."""
     if adapter is not None and adapter not in ADAPTERS:
-        raise UserError(f"--adapter {adapter} is not available; choose {', '.join(ADAPTERS)}, or leave it out "
-                        "to use the family of config.json's model_type.")
+        raise UsageError(f"--adapter {adapter} is not available; choose {', '.join(ADAPTERS)}, or leave it out "
+                         "to use the family of config.json's model_type.")
     if adapter is None and is_known(raw_config):
         return _BY_MODEL_TYPE[raw_config["model_type"]]
     shapes = {name: tuple(info.shape) for name, info in (tensors or {}).items()}

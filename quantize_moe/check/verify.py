@@ -24,7 +24,7 @@ from quantize_moe.adapters import Kind
 from quantize_moe.check.weights import check_expert_weights
 from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside, read_json_object
 from quantize_moe.adapters.reader import SourceReader
-from quantize_moe.errors import UserError
+from quantize_moe.errors import EXIT_CHECK_FAILED, EXIT_OK, UserError
 from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.ignore_list import ignore_matcher
 from quantize_moe.adapters.fused import scale_name
@@ -33,7 +33,6 @@ from quantize_moe.write.manifest import Manifest
 from quantize_moe.write.destination import MANIFEST_NAME, PARTIAL_SUFFIX
 from quantize_moe.plan.plan import scale_siblings
 
-EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 EXAMPLES = 5
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -58,7 +57,7 @@ class VerifyReport:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.ok else EXIT_FAILED
+        return EXIT_OK if self.ok else EXIT_CHECK_FAILED
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "exit_code": self.exit_code, **asdict(self)}, indent=2)

@@ -1,13 +1,20 @@
-"""Rich tables that tell people what a plan does and what a run did."""
+"""Rich tables that tell people what a plan does and what a run did.
+
+Every table fits 80 columns: the default view has the columns needed to judge the result, short
+numbers and names wrapping at their dots; `wide=True` (`--wide`) adds the rest."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
-from quantize_moe.console import human_bytes
-from quantize_moe.plan.compatibility import LOADS, block_tp_sizes
+from quantize_moe.adapters import Kind
+from quantize_moe.console import DottedName, human_bytes, short_float
+from quantize_moe.plan.compatibility import LOADS, block_tp_sizes, explain_auto
+from quantize_moe.plan.options import Options
 from quantize_moe.plan.plan import Plan
 from quantize_moe.check.validate import ValidationReport
 
@@ -39,7 +46,8 @@ def overview_table(plan: Plan) -> Table:
         table.add_row("expert width x hidden", f"{moe[0].expert_width} x {moe[0].hidden_size}")
         table.add_row("expert layout", _expert_layout(plan))
     if plan.mtp_layers:
-        table.add_row("multi-token-prediction layers", f"{_layer_ranges(plan.mtp_layers)} (kept in high precision)")
+        table.add_row("MTP layers", f"{_layer_ranges(plan.mtp_layers)} (multi-token prediction, kept in high "
+                      "precision)")
     if plan.source.quantized:
         table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): "
                       "dequantized, then requantized")
@@ -51,7 +59,7 @@ def overview_table(plan: Plan) -> Table:
             table.add_row(f"loads in {engine}", f"[green]{verdict}[/]" if verdict == "yes" else f"[yellow]{verdict}[/]")
     if plan.options.scheme == "block" and moe:
         sizes = block_tp_sizes({m.expert_width for m in moe}, plan.scheme.block[0])
-        table.add_row("tensor-parallel sizes with whole expert blocks", ", ".join(map(str, sizes)))
+        table.add_row("TP sizes, whole blocks", ", ".join(map(str, sizes)))
     table.add_row("size before -> after",
                   f"{human_bytes(plan.bytes_before)} -> {human_bytes(plan.bytes_after)} "
                   f"in {len(plan.shards)} shard(s)")
@@ -70,24 +78,40 @@ def _expert_layout(plan: Plan) -> str:
     return "fused: " + "; ".join(parts)
 
 
-def decisions_table(plan: Plan) -> Table:
-    """How many tensors of each kind are quantized or kept, and why."""
+def auto_choice(requested: Options, plan: Plan) -> str | None:
+    """The line saying what `auto` chose for this checkpoint and why."""
+    experts = [(d.info.name, d.info.shape) for d in plan.decisions.values() if d.role.kind == Kind.ROUTED_EXPERT]
+    return explain_auto(requested, plan.options, experts, plan.family.name if plan.family.fused else None)
+
+
+def decisions_table(plan: Plan, wide: bool = False) -> Table:
+    """How many tensors of each kind are quantized or kept, and why: rows grouped by action, an
+    example tensor of each row with `wide`."""
     rows: Counter = Counter()
     sizes: Counter = Counter()
     examples: dict = {}
     for d in plan.decisions.values():
-        key = (d.role.kind.value, "quantized" if d.quantize else "kept", d.reason)
+        key = ("quantized" if d.quantize else "kept", d.role.kind.value, d.reason)
         rows[key] += 1
         sizes[key] += d.info.nbytes
         examples.setdefault(key, d.info.name)
     table = Table(title="What is quantized and what stays")
-    for column in ("kind", "action", "tensors", "bytes", "reason", "example"):
-        table.add_column(column, overflow="fold")
-    for key in sorted(rows, key=lambda k: (k[1], -sizes[k])):
-        kind, action, reason = key
+    table.add_column("action")
+    table.add_column("kind")
+    table.add_column("tensors", justify="right")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("reason", ratio=1)
+    if wide:
+        table.add_column("example", ratio=1)
+    ordered = sorted(rows, key=lambda k: (k[0] != "quantized", -sizes[k]))
+    for i, key in enumerate(ordered):
+        action, kind, reason = key
+        first = i == 0 or ordered[i - 1][0] != action
+        last = i + 1 == len(ordered) or ordered[i + 1][0] != action
         style = "green" if action == "quantized" else "yellow"
-        table.add_row(kind, f"[{style}]{action}[/]", str(rows[key]), human_bytes(sizes[key]), reason or "-",
-                      examples[key])
+        cells = [f"[{style}]{action}[/]" if first else "", kind, str(rows[key]), human_bytes(sizes[key]),
+                 reason or "-"]
+        table.add_row(*cells, *([DottedName(examples[key])] if wide else []), end_section=last)
     return table
 
 
@@ -105,19 +129,25 @@ def run_table(plan: Plan, seconds: float, copied_files: list[str]) -> Table:
     return table
 
 
-def validation_table(report: ValidationReport) -> Table:
+def validation_table(report: ValidationReport, wide: bool = False) -> Table:
+    """Per MoE layer: FP8 against bf16 and the verdict; `wide` adds each path's error against the float64
+    reference and the quantization error alone."""
     table = Table(title=f"Validation: {report.path} on {report.device}, reference in {report.reference_dtype}")
-    for column in ("layer", "experts", "rel err", "cosine", "max err", "bf16 vs ref", "fp8 vs ref", "quant err",
-                   "ok"):
+    columns = ["layer", "experts", "rel err", "cosine", "max err"]
+    if wide:
+        columns += ["bf16 vs ref", "fp8 vs ref", "quant err"]
+    for column in (*columns, "ok"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in report.layers:
-        table.add_row(str(r.layer), f"{r.experts_with_tokens}/{r.num_experts}", f"{r.relative_error:.1e}",
-                      f"{r.cosine:.4f}", f"{r.max_error:.1e}", f"{r.bf16_kernel_error:.1e}",
-                      f"{r.fp8_kernel_error:.1e}", f"{r.quantization_error:.1e}",
-                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]")
+        cells = [str(r.layer), f"{r.experts_with_tokens}/{r.num_experts}", short_float(r.relative_error),
+                 f"{r.cosine:.4f}", short_float(r.max_error)]
+        if wide:
+            cells += [short_float(r.bf16_kernel_error), short_float(r.fp8_kernel_error),
+                      short_float(r.quantization_error)]
+        table.add_row(*cells, "[green]pass[/]" if r.passed else "[bold red]FAIL[/]")
     t = report.thresholds
-    table.caption = (f"fail above rel. error {t.max_relative_error}, below cosine {t.min_cosine}, or path vs "
-                     f"reference above {t.max_kernel_error}"
+    table.caption = (f"fail: rel err > {t.max_relative_error}, cosine < {t.min_cosine}, or a path > "
+                     f"{t.max_kernel_error} from the reference" + ("" if wide else " (--wide shows them)")
                      + (f"\n{report.routing_note}: tokens may reach other experts than in the real model"
                         if report.routing_note else ""))
     return table
@@ -129,10 +159,11 @@ VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": 
 def verify_table(report) -> Table:
     """One row per check of `quantize-moe verify`, with the first offending tensors or files."""
     table = Table(title=f"verify {report.checkpoint}" + (f" against {report.against}" if report.against else ""))
-    for column in ("check", "result", "detail"):
-        table.add_column(column, overflow="fold")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", ratio=1)
     for f in report.findings:
-        detail = "\n".join([f.message, *(f"  {e}" for e in f.examples)])
+        detail = Group(Text(f.message), *(DottedName(e, indent=2) for e in f.examples))
         table.add_row(f.check, f"[{VERDICT_STYLE[f.status]}]{f.status}[/]", detail)
     return table
 
@@ -145,7 +176,7 @@ def evaluation_table(report) -> Table:
     table.add_row("perplexity (original)", f"{report.src_perplexity:.4f}")
     table.add_row("perplexity (FP8)", f"{report.dst_perplexity:.4f}")
     table.add_row("perplexity ratio", f"{report.perplexity_ratio:.5f}")
-    table.add_row("mean KL(orig || fp8) per token", f"{report.mean_kl:.2e}")
+    table.add_row("mean KL(orig || fp8) per token", short_float(report.mean_kl))
     table.add_row("top-1 agreement", f"{report.top1_agreement:.4f}")
     table.add_row("passed", "[green]yes[/]" if report.passed else "[red]NO[/]")
     return table

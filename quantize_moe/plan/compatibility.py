@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError, UserError
 from quantize_moe.plan.options import AUTO, Options
 from quantize_moe.quantization.formats import FORMATS
 from quantize_moe.quantization.schemes import SCHEMES
@@ -68,21 +68,19 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
     open, that loads in the most engines and fits every routed expert (name, shape). Fused expert
     tensors (`fused_family`) are loaded by engines with native per-tensor scales only."""
     if options.scheme not in (AUTO, *SCHEMES):
-        raise UserError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, {', '.join(SCHEMES)}.")
+        raise UsageError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, {', '.join(SCHEMES)}.")
     if options.format not in (AUTO, *FORMATS):
-        raise UserError(f"--format {options.format} is not available; choose one of {AUTO}, {', '.join(FORMATS)}.")
-    ranked = sorted(LOADS, key=lambda c: -len(loading_engines(*c)))
-    if fused_family:
-        ranked = [FUSED_EXPERTS]
+        raise UsageError(f"--format {options.format} is not available; choose one of {AUTO}, {', '.join(FORMATS)}.")
+    ranked = _ranked(fused_family)
     fitting = [c for c in ranked if _expert_misfit(c[1], experts) is None]
-    wanted = [c for c in ranked if options.format in (AUTO, c[0]) and options.scheme in (AUTO, c[1])]
+    wanted = _wanted(options, ranked)
     if not wanted and fused_family:
         raise UserError(f"--format {options.format} --scheme {options.scheme} is not available for {fused_family}, "
                         "whose experts are fused tensors that engines load with per-tensor scales only; use "
                         f"{_flags(*FUSED_EXPERTS)}.")
     if not wanted:
         others = [c for c in fitting if options.scheme in (AUTO, c[1])] or fitting
-        raise UserError(f"--format {options.format} stores only {' or '.join(FORMATS[options.format].schemes)} "
+        raise UsageError(f"--format {options.format} stores only {' or '.join(FORMATS[options.format].schemes)} "
                         f"scales, so no engine would read it with --scheme {options.scheme}; "
                         f"use {_flags(*others[0])}.")
     usable = [c for c in wanted if c in fitting]
@@ -92,6 +90,33 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
                         f"{why}; use {_flags(*fitting[0])}.")
     fmt, scheme = usable[0]
     return replace(options, format=fmt, scheme=scheme)
+
+
+def _ranked(fused_family: str | None) -> list[tuple[str, str]]:
+    return [FUSED_EXPERTS] if fused_family else sorted(LOADS, key=lambda c: -len(loading_engines(*c)))
+
+
+def _wanted(options: Options, ranked: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [c for c in ranked if options.format in (AUTO, c[0]) and options.scheme in (AUTO, c[1])]
+
+
+def explain_auto(requested: Options, resolved: Options, experts: list[tuple[str, tuple[int, ...]]],
+                 fused_family: str | None = None) -> str | None:
+    """One line saying what `auto` resolved to and why (None when the user gave format and scheme), so a
+    run never leaves people guessing which combination they got."""
+    if AUTO not in (requested.format, requested.scheme):
+        return None
+    chosen = (resolved.format, resolved.scheme)
+    line = f"auto chose --format {chosen[0]} --scheme {chosen[1]}"
+    if fused_family:
+        return f"{line}: {fused_family} experts are fused tensors, which engines load with per-tensor scales only"
+    engines = " and ".join(loading_engines(*chosen))
+    wanted = _wanted(requested, _ranked(None))
+    skipped = wanted[:wanted.index(chosen)]
+    if skipped and (misfit := _expert_misfit(skipped[0][1], experts)):
+        return (f"{line} (loads in {engines}): {skipped[0][0]} / {skipped[0][1]} does not fit the routed "
+                f"experts ('{misfit[0]}': {misfit[1]})")
+    return f"{line}: loads in {engines}, the most engines of the combinations left open"
 
 
 def _expert_misfit(scheme: str, experts: list[tuple[str, tuple[int, ...]]]) -> tuple[str, str] | None:

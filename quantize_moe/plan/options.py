@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AUTO = "auto"
+# The names of quantization.schemes.SCHEMES and quantization.formats.FORMATS (a test keeps them equal),
+# here so that the command line offers them as choices without importing torch.
+SCHEME_CHOICES = (AUTO, "tensor", "channel", "block")
+FORMAT_CHOICES = (AUTO, "fp8", "compressed-tensors")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 # A GPU worker spends most of an item writing and waiting for the disk (quantizing takes milliseconds),
 # so a device gets enough workers to keep several writes in flight: on an H200 machine, 6 workers wrote a

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
 from quantize_moe.console import human_bytes
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError, UserError
 
 # Files that are weights in some format: never copied into the output.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
@@ -33,7 +33,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) ->
         raise UserError(f"SRC '{src}' is inside DST '{dst}'; choose an output folder that does not contain "
                         "the checkpoint.")
     if overwrite and resume:
-        raise UserError("--overwrite starts over and --resume continues; pass only one of them.")
+        raise UsageError("--overwrite starts over and --resume continues; pass only one of them.")
     if dst.exists() and not dst.is_dir():
         raise UserError(f"DST '{dst}' exists and is not a folder; choose a folder path.")
     if overwrite or not dst.is_dir():

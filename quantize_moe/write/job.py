@@ -20,7 +20,7 @@ from quantize_moe.console import byte_progress
 from quantize_moe.write.manifest import Manifest, run_fingerprint
 from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,
                                  prepare_destination, replaced_files, write_json)
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError
 from quantize_moe.plan.plan import Plan, make_plan
 from quantize_moe.plan.options import Options
 
@@ -55,7 +55,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     start = time.perf_counter()
     devices = pipeline.parse_devices(device)
     if workers is not None and workers < 1:
-        raise UserError(f"--workers {workers} must be at least 1.")
+        raise UsageError(f"--workers {workers} must be at least 1.")
     devices_started = pipeline.start_devices(devices)
     checkpoint = src if isinstance(src, Checkpoint) else Checkpoint(src, allow_pickle=allow_pickle)
     src, dst = checkpoint.folder, Path(dst)

@@ -45,7 +45,7 @@ import torch
 
 from quantize_moe.quantization import fp8
 from quantize_moe.write.digests import shard_digest
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError, UserError
 from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE
 from quantize_moe.plan.plan import Plan, WorkItem
 from quantize_moe.source.tensor_bytes import data_offsets, read_into
@@ -59,7 +59,7 @@ def parse_devices(spec: str) -> list[torch.device]:
         try:
             device = torch.device(part)
         except RuntimeError:
-            raise UserError(f"--device '{part}' is not a device; write cpu, cuda, cuda:0 or cuda:0,cuda:1.") \
+            raise UsageError(f"--device '{part}' is not a device; write cpu, cuda, cuda:0 or cuda:0,cuda:1.") \
                 from None
         if device.type == "cuda":
             available = torch.cuda.device_count()
@@ -69,10 +69,10 @@ def parse_devices(spec: str) -> list[torch.device]:
                                 "device(s); choose one of them or cpu.")
             device = torch.device("cuda", index)
         elif device.type != "cpu":
-            raise UserError(f"--device {part} is not supported; use cpu or cuda devices.")
+            raise UsageError(f"--device {part} is not supported; use cpu or cuda devices.")
         devices.append(device)
     if len(set(devices)) != len(devices) or (len(devices) > 1 and any(d.type == "cpu" for d in devices)):
-        raise UserError(f"--device '{spec}' must be cpu, or distinct CUDA devices.")
+        raise UsageError(f"--device '{spec}' must be cpu, or distinct CUDA devices.")
     return devices
 
 
