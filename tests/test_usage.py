@@ -145,6 +145,7 @@ def test_dequantize_writes_files_with_the_mode_of_the_umask(pair, tmp_path, umas
     finally:
         os.umask(old)
     assert result.exit_code == 0, result.output
+    assert re.search(r"wrote \d+ tensors in bf16 \(\d+\.\d+ KB, 1 shard\(s\)\) to", " ".join(result.output.split()))
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 

@@ -16,7 +16,7 @@ import typer
 from quantize_moe import __version__
 from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.cli.usage import Command, Group, JsonReportCommand
-from quantize_moe.console import console, count_progress, short_float, stdout
+from quantize_moe.console import console, count_progress, human_bytes, short_float, stdout
 from quantize_moe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_USAGE, UsageError, UserError
 from quantize_moe.plan.options import FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, SCHEME_CHOICES, Options
 
@@ -246,10 +246,15 @@ def dequantize(
     """Write a bf16 copy of an FP8 checkpoint.
 
     Weights times their scales, without scale tensors or quantization_config."""
+    from quantize_moe.source.checkpoint import Checkpoint
     from quantize_moe.write.dequantize import dequantize_checkpoint
 
     dequantize_checkpoint(src, dst, overwrite=overwrite)
-    stdout.print(f"[green]wrote[/] {dst}")
+    written = Checkpoint(dst)  # what a reader of DST finds, from its headers
+    size = human_bytes(sum(info.nbytes for info in written.tensors.values()))
+    stdout.print(f"[green]wrote[/] {len(written.tensors)} tensors in bf16 ({size}, {len(written.shard_files)} "
+                 f"shard(s)) to {dst}", highlight=False)
+    written.close()
 
 
 @command()
