@@ -202,7 +202,7 @@ def _reproduce_section(record: dict) -> str:
     source as SRC."""
     version = record["tool"].removeprefix("quantize-moe ")
     local = (f"\n`{LOCAL_SOURCE}` is the original checkpoint, a local folder when this was made.\n"
-             if record["base_model"] is None else "")
+             if record["command"].split()[2:3] == [LOCAL_SOURCE] else "")
     return f"""quantize-moe is installed from its source: a checkout of it, or the sdist that `python -m build --sdist`
 makes there.
 
