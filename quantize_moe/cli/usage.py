@@ -13,6 +13,8 @@ from quantize_moe.console import console
 
 
 class _PlainHelp:
+    """Mixed into typer's command and group classes; everything else is typer's own rendering."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.help:  # typer keeps a docstring's line breaks after its first paragraph; the terminal wraps

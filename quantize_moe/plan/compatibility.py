@@ -68,9 +68,11 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
     open, that loads in the most engines and fits every routed expert (name, shape). Fused expert
     tensors (`fused_family`) are loaded by engines with native per-tensor scales only."""
     if options.scheme not in (AUTO, *SCHEMES):
-        raise UsageError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, {', '.join(SCHEMES)}.")
+        raise UsageError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, "
+                         f"{', '.join(SCHEMES)}.")
     if options.format not in (AUTO, *FORMATS):
-        raise UsageError(f"--format {options.format} is not available; choose one of {AUTO}, {', '.join(FORMATS)}.")
+        raise UsageError(f"--format {options.format} is not available; choose one of {AUTO}, "
+                         f"{', '.join(FORMATS)}.")
     ranked = _ranked(fused_family)
     fitting = [c for c in ranked if _expert_misfit(c[1], experts) is None]
     wanted = _wanted(options, ranked)
@@ -81,8 +83,8 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
     if not wanted:
         others = [c for c in fitting if options.scheme in (AUTO, c[1])] or fitting
         raise UsageError(f"--format {options.format} stores only {' or '.join(FORMATS[options.format].schemes)} "
-                        f"scales, so no engine would read it with --scheme {options.scheme}; "
-                        f"use {_flags(*others[0])}.")
+                         f"scales, so no engine would read it with --scheme {options.scheme}; "
+                         f"use {_flags(*others[0])}.")
     usable = [c for c in wanted if c in fitting]
     if not usable:
         name, why = _expert_misfit(wanted[0][1], experts)
