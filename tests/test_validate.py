@@ -16,6 +16,7 @@ from moe_blocks import expert_call
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import adapter_for
 from quantize_moe.cli.app import app
+from quantize_moe.errors import UserError
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.plan.plan import Plan
 from quantize_moe.plan.options import Options
@@ -23,6 +24,7 @@ from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS
 from quantize_moe.check.validate import validate
 from quantize_moe.moe.routing import route
+from quantize_moe.quantization.spec import MoEQuantSpec
 
 runner = CliRunner()
 EXPERT = "model.layers.1.block_sparse_moe.experts.{e}.{p}.{t}"
@@ -153,6 +155,23 @@ def test_llama4_router_weight_scales_the_expert_input(tiny_checkpoint, tmp_path,
     report = validate(src, tmp_path / "fp8", tokens=128)
     assert report.layers and report.passed, report.layers
     assert all(0.01 < r.relative_error < 0.1 for r in report.layers), report.layers
+
+
+def test_validate_simulates_the_activations_the_config_declares(mixtral_pair, tmp_path):
+    """compressed-tensors with tensor weights declares one dynamic scale per tensor for activations,
+    and validate quantizes them so; a config declaring per-token activations gets per token."""
+    src, _ = mixtral_pair
+    quantize_checkpoint(src, tmp_path / "ct", Options(format="compressed-tensors", scheme="tensor"),
+                        show_progress=False)
+    declared = MoECheckpoint.open(tmp_path / "ct")
+    assert declared.load_layer(1).quant_method.spec == MoEQuantSpec("tensor", "tensor")
+    with pytest.raises(UserError, match="nothing to do"):  # already in the format and scheme asked for
+        quantize_checkpoint(tmp_path / "ct", tmp_path / "again", Options(format="compressed-tensors", scheme="tensor"),
+                            show_progress=False)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["strategy"] = "token"
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    assert MoECheckpoint.open(tmp_path / "ct").load_layer(1).quant_method.spec == MoEQuantSpec("tensor", "token")
 
 
 def test_gpt_oss_refused(tiny_checkpoint):

@@ -202,9 +202,9 @@ def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
     if "quantization_config" not in raw:
         return
     method = _source_method(raw)
-    spec, scale_suffix = read_quantization(raw, where)
     scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
-    if (method, spec, scale_suffix) == (fmt.name, scheme.moe_spec, fmt.scale_suffix(scheme)):
+    asked = {"quantization_config": fmt.quantization_config(scheme, [], [])}  # what our output would declare
+    if (method, *read_quantization(raw, where)) == (fmt.name, *read_quantization(asked, where)):
         raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
                         f"{options.scheme} --format {options.format} asks, so there is nothing to do; point SRC "
                         "at the bf16/fp16/fp32 original, or run `quantize-moe dequantize` on it first.")
