@@ -44,6 +44,7 @@ BLOCK_FRIENDLY = {
                       shared_expert_intermediate_size=256),
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n_routed_experts=4,
                         num_key_value_heads=4, q_lora_rank=128),
+    "llama4_text": dict(hidden_size=256, intermediate_size=128, intermediate_size_mlp=256, head_dim=64),
 }
 
 

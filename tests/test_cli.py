@@ -51,7 +51,7 @@ def test_demo_runs_offline():
     assert "Routed experts: dequantized FP8 vs original" in result.output and "NO" not in result.output
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("family", ["gpt_oss"])
 def test_demo_offers_no_family_that_quantize_refuses(family):
     assert_user_error(invoke("demo", "--family", family), f"--family {family} has no demo checkpoint", "mixtral",
                       code=2)

@@ -24,6 +24,7 @@ from quantize_moe.write.job import quantize_checkpoint
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
 FOR_TRANSFORMERS = [c for c in LOADS if "transformers" in loading_engines(*c)]
 NOT_FOR_TRANSFORMERS = [c for c in LOADS if c not in FOR_TRANSFORMERS]
+LLAMA4_FOR_TRANSFORMERS = [c for c in LOADS if "transformers" in loading_engines(*c, "Llama-4")]
 DEQUANTIZE_AT_LOAD = {"fp8": FineGrainedFP8Config(dequantize=True),
                       "compressed-tensors": CompressedTensorsConfig(dequantize=True)}
 
@@ -75,6 +76,35 @@ def test_transformers_fails_loudly_where_the_engine_table_says_no(fmt, scheme, b
     out = _quantize(block_friendly("mixtral"), tmp_path / "fp8", fmt, scheme)
     with pytest.raises(RuntimeError):
         _logits(_load(out))
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+@pytest.mark.parametrize("fmt,scheme", LLAMA4_FOR_TRANSFORMERS)
+def test_transformers_loads_llama4_experts_written_per_expert(fmt, scheme, block_friendly, tmp_path):
+    """Our Llama-4 output holds one Linear per expert (what vLLM reads). transformers' compressed-tensors
+    path builds Llama-4 with per-expert Linears too and dequantizes them to exactly our values."""
+    src = block_friendly("llama4_text")
+    out = _quantize(src, tmp_path / "fp8", fmt, scheme)
+    dequantize_checkpoint(out, tmp_path / "ours")
+    ours = Checkpoint(tmp_path / "ours")
+    theirs = _load(out, quantization_config=DEQUANTIZE_AT_LOAD[fmt]).state_dict()
+    assert theirs.keys() == ours.tensors.keys()
+    assert "model.layers.1.feed_forward.experts.3.down_proj.weight" in theirs
+    for name, value in theirs.items():
+        assert torch.equal(value, ours.get(name)), name
+    bf16, fp8 = _logits(_load(src)), _logits(_load(out))  # as above: within FP8 error of bf16
+    assert ((fp8 - bf16).norm(dim=-1) / bf16.norm(dim=-1)).median() < 0.2
+
+
+@pytest.mark.parametrize("fmt,scheme", sorted(set(FOR_TRANSFORMERS) - set(LLAMA4_FOR_TRANSFORMERS)))
+def test_transformers_leaves_llama4_experts_out_where_the_table_says_no(fmt, scheme, block_friendly, tmp_path):
+    """Elsewhere transformers' Llama-4 keeps fused expert parameters, with no conversion from per-expert
+    Linears: they are left missing (randomly initialised), which FAMILY_LOADS says."""
+    out = _quantize(block_friendly("llama4_text"), tmp_path / "fp8", fmt, scheme)
+    _, info = AutoModelForCausalLM.from_pretrained(out, quantization_config=DEQUANTIZE_AT_LOAD[fmt],
+                                                   output_loading_info=True)
+    assert {"model.layers.1.feed_forward.experts.gate_up_proj",
+            "model.layers.1.feed_forward.experts.down_proj"} <= set(info["missing_keys"])
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])

@@ -23,12 +23,13 @@ from quantize_moe.write.dequantize import dequantize_checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
+from quantize_moe.plan.options import Options
 from quantize_moe.plan.plan import MTP_REASON, make_plan
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS, add_mtp_layer, build_tiny_checkpoint, to_block_fp8
 
 FAMILIES = sorted(TINY_CONFIGS)
-REFUSED = {"gpt_oss", "llama4_text"}  # FP8 output loads in no engine
+REFUSED = {"gpt_oss"}  # FP8 output loads in no engine
 TOKENS = 29
 
 
@@ -130,3 +131,17 @@ def test_mxfp4_source_refused(tiny_checkpoint, tmp_path):
 def test_dequantize_refuses_unquantized_source(tiny_checkpoint, tmp_path):
     with pytest.raises(UserError, match="not quantized"):
         dequantize_checkpoint(tiny_checkpoint("mixtral"), tmp_path / "out")
+
+
+def test_llama4_keeps_q_k_v_in_bf16_under_compressed_tensors_block_only(block_friendly):
+    """vLLM permutes Llama-4's q/k rows and any q/k `weight_scale` with more than one element for its rotary
+    embedding; 128x128 blocks cannot follow, so q/k (and v, fused with them) stay bf16 there alone."""
+    src = Checkpoint(block_friendly("llama4_text"))
+    attention = "model.layers.0.self_attn.{}_proj.weight"
+    kept = make_plan(src, Options(format="compressed-tensors", scheme="block"))
+    assert not any(kept.decisions[attention.format(p)].quantize for p in "qkv")
+    assert "rotary" in kept.decisions[attention.format("q")].reason
+    assert {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"} <= set(kept.ignored_modules)
+    for fmt, scheme in [("fp8", "block"), ("compressed-tensors", "channel")]:
+        assert all(make_plan(src, Options(format=fmt, scheme=scheme)).decisions[attention.format(p)].quantize
+                   for p in "qkv")

@@ -52,21 +52,22 @@ def quantized(tiny_checkpoint, tmp_path_factory):
 def test_every_tensor_has_the_right_dtype_and_shape(quantized, model_type):
     src, dst, summary = quantized[model_type]
     before, after = read_all(src), read_all(dst)
-    decisions = summary.plan.decisions
+    plan, decisions = summary.plan, summary.plan.decisions
     quantized_names = {n for n, d in decisions.items() if d.quantize}
-    expected = set(before) | {scale_of(n) for n in quantized_names}
-    assert set(after) == expected
-    for name, tensor in before.items():
+    num_experts = {m.layer: m.num_experts for m in plan.moe_layers}
+    written = {out: (name, shape) for name, tensor in before.items()  # Llama-4's experts unfused
+               for out, shape in plan.family.written_as(name, tensor.shape, num_experts)}
+    assert set(after) == set(written) | {scale_of(out) for out, (name, _) in written.items() if name in quantized_names}
+    for out, (name, shape) in written.items():
         if name in quantized_names:
-            assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == tensor.shape
-            scale = after[scale_of(name)]
+            assert after[out].dtype == torch.float8_e4m3fn and after[out].shape == shape
+            scale = after[scale_of(out)]
             layout = decisions[name].role.fused
-            shape = () if layout is None else layout.scale_shape(summary.plan.moe_layer(decisions[name].role.layer)
-                                                                  .num_experts)
-            assert scale.dtype == torch.float32 and scale.shape == shape and (scale > 0).all()
+            scale_shape = () if out != name or layout is None else layout.scale_shape(num_experts[decisions[name].role.layer])
+            assert scale.dtype == torch.float32 and scale.shape == scale_shape and (scale > 0).all()
         else:
-            assert after[name].dtype == tensor.dtype
-            assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+            assert after[name].dtype == before[name].dtype
+            assert torch.equal(after[name].view(torch.uint8), before[name].view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -18,7 +18,6 @@ from quantize_moe.adapters import adapter_for
 from quantize_moe.cli.app import app
 from quantize_moe.errors import UserError
 from quantize_moe.check.moe_layers import MoECheckpoint
-from quantize_moe.plan.plan import Plan
 from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.source.tiny import TINY_CONFIGS
@@ -145,13 +144,14 @@ def test_validate_bf16_path_equals_transformers_moe_block(model_type, tiny_check
         torch.testing.assert_close(ours, theirs.reshape(ours.shape), rtol=1e-5, atol=1e-5)
 
 
-def test_llama4_router_weight_scales_the_expert_input(tiny_checkpoint, tmp_path, monkeypatch):
-    """quantize refuses Llama-4 (no engine loads its fused FP8 experts); an FP8 Llama-4 made anyway validates.
-    That its bf16 side matches transformers' Llama-4 block is pinned above; here the FP8 side must be
-    within FP8 error of it."""
+def test_llama4_router_weight_scales_the_expert_input(tiny_checkpoint, tmp_path):
+    """quantize writes Llama-4's fused experts one Linear per expert (what vLLM loads); validate reads
+    the fused bf16 SRC and that per-expert DST side by side. That its bf16 side matches transformers'
+    Llama-4 block is pinned above; here the FP8 side must be within FP8 error of it."""
     src = tiny_checkpoint("llama4_text")
-    monkeypatch.setattr(Plan, "check_loadable", lambda plan: None)
     quantize_checkpoint(src, tmp_path / "fp8", show_progress=False)
+    dst = MoECheckpoint.open(tmp_path / "fp8")
+    assert {dst.family.role(n, 2).fused for n in dst.checkpoint.tensors} == {None}
     report = validate(src, tmp_path / "fp8", tokens=128)
     assert report.layers and report.passed, report.layers
     assert all(0.01 < r.relative_error < 0.1 for r in report.layers), report.layers

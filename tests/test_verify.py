@@ -190,3 +190,17 @@ def test_every_layout_passes_and_a_fused_gate_up_scale_mismatch_fails(family, tm
         tensors[name][:, 1] *= 2  # up's scale no longer gate's
         save_file(tensors, shard, metadata={"format": "pt"})
         assert "different scales" in failed(verify(tmp_path / "dst"))["shared scales"]
+
+
+def test_llama4_written_per_expert_passes_against_its_fused_source_and_a_missing_expert_fails(tmp_path):
+    """verify --against maps SRC's fused Llama-4 experts onto the per-expert Linears written for them."""
+    build_tiny_checkpoint("llama4_text", tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "dst", Options(), show_progress=False)
+    assert verify(tmp_path / "dst", Checkpoint(tmp_path / "src")).ok
+    shard = tmp_path / "dst" / "model.safetensors"
+    expert = "model.layers.1.feed_forward.experts.2.up_proj"
+    tensors = load_file(shard)
+    del tensors[f"{expert}.weight"], tensors[f"{expert}.weight_scale"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    problems = failed(verify(tmp_path / "dst", Checkpoint(tmp_path / "src")))
+    assert f"'{expert}.weight'" in problems["structure"] and "expert 2 w3 is missing" in problems["coverage"]

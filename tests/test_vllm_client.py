@@ -42,6 +42,7 @@ FAMILIES = {
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, num_key_value_heads=4,
                         q_lora_rank=128, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
                         topk_method="noaux_tc", scoring_func="sigmoid"),
+    "llama4_text": dict(hidden_size=256, intermediate_size=128, intermediate_size_mlp=256, head_dim=64),
 }
 # A random tiny model's residual stream is as small as each layer's output, so FP8 rounding (4-14% of
 # the logits) flips a tenth of near-tied top-1s in any engine; trained models carry the token in a

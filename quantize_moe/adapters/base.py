@@ -70,6 +70,8 @@ class PerExpertFamily:
     shared_experts: tuple[str, ...] = ()  # module patterns of shared-expert Linears
     keep_linears: tuple[tuple[str, str], ...] = ()  # (module pattern, reason): other Linears that stay
     keep_modules: tuple[tuple[str, str], ...] = ()  # (whole-name pattern, reason): e.g. a vision tower
+    # (format, scheme, module pattern, reason): Linears that stay in high precision in that combination only
+    keep_linears_in: tuple[tuple[str, str, str, str], ...] = ()
     layers: str = r"model\.layers"
     activation: str = "silu"  # of the experts' GLU: "silu", or gpt-oss's clamped "swigluoai"
     # Engines known to load this family's FP8 output; empty with a reason when none does.
@@ -98,6 +100,8 @@ class PerExpertFamily:
         compiled["router"] = [re.compile(layer + p + "$") for p in self.routers]
         compiled["shared"] = [re.compile(layer + p + r"\.") for p in self.shared_experts]
         compiled["keep"] = [(re.compile(layer + p + "$"), why) for p, why in self.keep_linears]
+        compiled["keep_in"] = [(fmt, scheme, re.compile(layer + p + r"\.weight$"), why)
+                               for fmt, scheme, p, why in self.keep_linears_in]
 
     # -- config -------------------------------------------------------------------------------
     def config_value(self, config: PretrainedConfig, keys: tuple[str, ...], layer: int = 0) -> int | None:
@@ -156,6 +160,19 @@ class PerExpertFamily:
         return next((n for n in names if pattern.match(n)), None)
 
     # -- tensors ------------------------------------------------------------------------------
+    def kept_in(self, name: str, fmt: str, scheme: str) -> str:
+        """Why the Linear weight `name` stays in high precision under this format and scheme, or ""."""
+        return next((why for f, s, pattern, why in self._patterns["keep_in"]
+                     if (f, s) == (fmt, scheme) and pattern.match(name)), "")
+
+    def written_as(self, name: str, shape: tuple[int, ...], num_experts: dict[int, int]) -> list[tuple[str, tuple]]:
+        """(name, shape) of the tensors a source tensor is written as: itself, or one Linear per expert
+        and projection for a fused layout that is written unfused (Llama-4); `num_experts` per MoE layer."""
+        role = self.role(name, len(shape))
+        if role.fused is None or not role.fused.unfused or role.layer not in num_experts:
+            return [(name, tuple(shape))]
+        return role.fused.expert_weights(name, num_experts[role.layer], tuple(shape))
+
     def role(self, name: str, ndim: int) -> TensorRole:
         """Classify one checkpoint tensor by its name and rank."""
         module, _, param = name.rpartition(".")

@@ -282,26 +282,34 @@ GPT_OSS = PerExpertFamily(
     scoring="topk_softmax",  # of the logits plus the router's bias
     activation="swigluoai",
     fp8_loads_in="",
-    fp8_refusal="vLLM's gpt-oss loader (GptOssModel._load_weights_other) copies gate_up_proj/down_proj "
-                "into w13/w2 and has no path for their weight scales, and transformers has no FP8 path "
-                "for its fused experts, so an FP8 gpt-oss checkpoint loads nowhere",
-)
+    fp8_refusal="vLLM 0.32's gpt-oss loader (GptOssModel._load_weights_other, its path for fp8 and "
+                "compressed-tensors) copies gate_up_proj/down_proj into w13/w2 with no path for their weight "
+                "scales, SGLang's (GptOssForCausalLM._load_normal_weights) maps only the fused weights and "
+                "biases, and transformers has no FP8 path for its fused experts, so an FP8 gpt-oss checkpoint "
+                "loads nowhere")
 
+# Written per expert: vLLM's Llama-4 loader (Llama4Model.load_moe_expert_weights) reads
+# `experts.{e}.gate_proj/up_proj/down_proj` with a scale each, the layout of Meta's FP8 release, but
+# loads a flat fused-expert weight_scale into expert 0 only.
 LLAMA4 = Llama4Family(
     name="Llama-4",
     model_types=("llama4", "llama4_text"),
+    experts=r"feed_forward\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)",
+    projections=LLAMA_PROJECTIONS,
     fused=(
-        FusedLayout(r"feed_forward\.experts\.gate_up_proj", ("w1", "w3"), "w13", transposed=True),
-        FusedLayout(r"feed_forward\.experts\.down_proj", ("w2",), "w2", transposed=True),
+        FusedLayout(r"feed_forward\.experts\.gate_up_proj", ("w1", "w3"), "w13", transposed=True,
+                    unfused=("gate_proj", "up_proj")),
+        FusedLayout(r"feed_forward\.experts\.down_proj", ("w2",), "w2", transposed=True, unfused=("down_proj",)),
     ),
     routers=(r"feed_forward\.router",),
     shared_experts=(r"feed_forward\.shared_expert",),
     keep_modules=((r"(vision_model|multi_modal_projector)\.", "vision tower: stays bf16"),),
+    # vLLM permutes q/k rows and any q/k `weight_scale` of more than one element for its rotary
+    # embedding (Llama4ForCausalLM.permute_qk_weight_for_rotary), which 128x128 block scales cannot follow.
+    keep_linears_in=tuple(("compressed-tensors", "block", rf"self_attn\.{p}", "vLLM permutes Llama-4's q/k rows "
+                           "for its rotary embedding, which block scales named weight_scale cannot follow")
+                          for p in ("q_proj", "k_proj")),
     layers=r"(?:language_model\.)?model\.layers",
-    fp8_loads_in="",
-    fp8_refusal="vLLM's Llama-4 loader (Llama4Model.load_moe_expert_weights) maps fused "
-                "experts.gate_up_proj/down_proj weights but loads a flat expert weight_scale into "
-                "expert 0 only, so fused FP8 Llama-4 experts load nowhere",
 )
 
 FAMILIES: tuple[PerExpertFamily, ...] = (

@@ -9,6 +9,11 @@ tool uses (per shard w1/w3/w2, `[E, out, in]`), and back. The layouts in the wil
 | DBRX      | `mlp.w1` / `mlp.v1`, `mlp.w2` | `[E*I, H]`            | w1/v1 `[out, in]`, w2 `[in, out]` |
 | gpt-oss   | `experts.gate_up_proj`      | `[E, H, 2I]`            | `[in, out]`, gate/up interleaved |
 | Llama-4   | `experts.gate_up_proj`      | `[E, H, 2I]`            | `[in, out]`, gate half then up |
+
+A layout with `unfused` names is written back one Linear per expert and projection
+(`experts.{e}.gate_proj.weight`, ...) instead: the only FP8 layout its engine reads
+with a scale for every expert (vLLM's Llama-4 loader puts a flat fused scale into
+expert 0 alone).
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ class FusedLayout:
     interleaved: bool = False  # the shards alternate row by row instead of being consecutive blocks
     flat: bool = False  # experts are concatenated along dim 0 (`[E * rows, cols]`), not stacked
     bias: bool = False  # an `[E, out]` bias `{name}_bias` sits beside the tensor (gpt-oss)
+    unfused: tuple[str, ...] = ()  # per-expert projection names, one per shard, to write experts under
+
+    def expert_weights(self, tensor_name: str, num_experts: int, shape: tuple[int, ...]) -> list[tuple[str, tuple]]:
+        """(name, `[out, in]` shape) of every per-expert Linear an `unfused` layout writes for the tensor
+        `tensor_name` of on-disk `shape`, expert by expert, in shard order."""
+        experts = tensor_name.rpartition(".")[0]
+        shards = self.split(torch.empty(shape, device="meta"), num_experts)
+        return [(f"{experts}.{e}.{proj}.weight", tuple(shards[shard].shape[1:]))
+                for e in range(num_experts) for shard, proj in zip(self.shards, self.unfused)]
 
     def disk_shape(self, num_experts: int, hidden: int, width: int) -> tuple[int, ...]:
         """The on-disk shape for E experts of expert width I and hidden size H."""

@@ -123,16 +123,21 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
     problems += [f"scale '{n}' belongs to no FP8 weight" for n in inventory.scales
                  if n not in weights_with_scales]
 
-    if source is not None:
-        for name, info in source.tensors.items():
+    if source is not None:  # by the names the source's tensors are written as (Llama-4 experts unfused)
+        written = {}
+        for info in source.tensors.values():
+            written.update({name: (shape, info) for name, shape in
+                            inventory.family.written_as(info.name, info.shape, inventory.num_experts)})
+        for name, (shape, info) in written.items():
             stored = inventory.tensors.get(name)
             if stored is None:
-                problems.append(f"source tensor '{name}' is missing")
-            elif stored.info.shape != info.shape:
-                problems.append(f"'{name}' has shape {stored.info.shape}, the source {info.shape}")
+                unfused = "" if name == info.name else f" (its expert Linear '{name}')"
+                problems.append(f"source tensor '{info.name}' is missing{unfused}")
+            elif stored.info.shape != shape:
+                problems.append(f"'{name}' has shape {stored.info.shape}, the source {shape}")
             elif stored.info.dtype not in (info.dtype, fp8.FP8_DTYPE):
                 problems.append(f"'{name}' is {stored.info.dtype}, the source {info.dtype}")
-        problems += [f"'{n}' is not in the source" for n in inventory.tensors if n not in source.tensors]
+        problems += [f"'{n}' is not in the source" for n in inventory.tensors if n not in written]
     summary = (f"{len(checkpoint.tensors)} tensors in {len(checkpoint.shard_files)} shard(s); index, scales "
                f"and {'source ' if source else ''}shapes consistent")
     return _finding("structure", problems, summary, "structural problem(s)")

@@ -273,7 +273,7 @@ def demo(
 
     from quantize_moe.adapters import adapter_for
 
-    # gpt-oss and Llama-4: `quantize` refuses them (no engine loads their fused experts in FP8)
+    # gpt-oss: `quantize` refuses it (no engine loads its fused experts in FP8)
     choices = [t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal]
     if family not in choices:
         raise UsageError(f"--family {family} has no demo checkpoint; choose one of {', '.join(choices)}.")

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from quantize_moe.adapters import Kind
 from quantize_moe.console import DottedName, human_bytes, short_float
-from quantize_moe.plan.compatibility import LOADS, block_tp_sizes, explain_auto
+from quantize_moe.plan.compatibility import block_tp_sizes, explain_auto, verdicts
 from quantize_moe.plan.options import Options
 from quantize_moe.plan.plan import Plan
 from quantize_moe.check.validate import ValidationReport
@@ -52,10 +52,10 @@ def overview_table(plan: Plan) -> Table:
         table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): "
                       "dequantized, then requantized")
     table.add_row("scheme / format", f"{plan.options.scheme} / {plan.options.format}")
-    if plan.family.fused or plan.family.fp8_refusal:  # the family's own loaders decide
+    if plan.family.fp8_refusal or any(not layout.unfused for layout in plan.family.fused):  # its own loaders decide
         table.add_row("FP8 output loads in", plan.family.fp8_loads_in or f"nowhere: {plan.family.fp8_refusal}")
     else:
-        for engine, verdict in LOADS[(plan.options.format, plan.options.scheme)].items():
+        for engine, verdict in verdicts(plan.options.format, plan.options.scheme, plan.family.name).items():
             table.add_row(f"loads in {engine}", f"[green]{verdict}[/]" if verdict == "yes" else f"[yellow]{verdict}[/]")
     if plan.options.scheme == "block" and moe:
         sizes = block_tp_sizes({m.expert_width for m in moe}, plan.scheme.block[0])
@@ -67,7 +67,8 @@ def overview_table(plan: Plan) -> Table:
 
 
 def _expert_layout(plan: Plan) -> str:
-    if not plan.family.fused:
+    on_disk = {d.role.fused for d in plan.decisions.values() if d.role.kind == Kind.ROUTED_EXPERT}
+    if on_disk == {None}:
         return "one Linear per expert and projection"
     parts = []
     for layout in plan.family.fused:
@@ -75,13 +76,13 @@ def _expert_layout(plan: Plan) -> str:
                                  ("shards interleaved", layout.interleaved)) if on]
         parts.append(f"{layout.name.replace(chr(92), '')} -> {'+'.join(layout.shards)}"
                      + (f" ({', '.join(notes)})" if notes else ""))
-    return "fused: " + "; ".join(parts)
+    unfused = all(layout.unfused for layout in plan.family.fused)
+    return "fused: " + "; ".join(parts) + ("; written one Linear per expert and projection" if unfused else "")
 
 
 def auto_choice(requested: Options, plan: Plan) -> str | None:
     """The line saying what `auto` chose for this checkpoint and why."""
-    experts = [(d.info.name, d.info.shape) for d in plan.decisions.values() if d.role.kind == Kind.ROUTED_EXPERT]
-    return explain_auto(requested, plan.options, experts, plan.family.name if plan.family.fused else None)
+    return explain_auto(requested, plan.options, plan.written_experts, plan.fused_family, plan.family.name)
 
 
 def decisions_table(plan: Plan, wide: bool = False) -> Table:

@@ -31,6 +31,11 @@ LOADS: dict[tuple[str, str], dict[str, str]] = {
                                       "transformers": "no: block-scaled MoE experts fail to load"},
 }
 PROVEN_BY = {"vLLM": "tests/test_vllm_client.py", "transformers": "tests/test_clients.py"}
+# Where one family's output loads differently from LOADS (by family name), proven by the same tests.
+FAMILY_LOADS: dict[str, dict[tuple[str, str], dict[str, str]]] = {
+    "Llama-4": {("fp8", "block"): {"transformers": "no: its Llama-4 experts are fused parameters, and only its "
+                                                   "compressed-tensors path reads them one Linear per expert"}},
+}
 ON_DISK = {
     ("fp8", "block"): "`weight_scale_inv` float32 `[ceil(N/128), ceil(K/128)]`, `weight_block_size: [128, 128]`",
     ("compressed-tensors", "channel"): "`weight_scale` in the model dtype `[N, 1]`, dynamic per-token activations",
@@ -54,8 +59,13 @@ def compatibility_table() -> str:
 FUSED_EXPERTS = ("fp8", "tensor")  # the one combination engines load for fused 3-D expert tensors
 
 
-def loading_engines(fmt: str, scheme: str) -> list[str]:
-    return [engine for engine, verdict in LOADS[(fmt, scheme)].items() if verdict == "yes"]
+def verdicts(fmt: str, scheme: str, family: str | None = None) -> dict[str, str]:
+    """Per engine, "yes" or why not, for this combination written for `family` (a family name)."""
+    return {**LOADS[(fmt, scheme)], **FAMILY_LOADS.get(family, {}).get((fmt, scheme), {})}
+
+
+def loading_engines(fmt: str, scheme: str, family: str | None = None) -> list[str]:
+    return [engine for engine, verdict in verdicts(fmt, scheme, family).items() if verdict == "yes"]
 
 
 def _flags(fmt: str, scheme: str) -> str:
@@ -63,17 +73,17 @@ def _flags(fmt: str, scheme: str) -> str:
 
 
 def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]],
-                    fused_family: str | None = None) -> Options:
+                    fused_family: str | None = None, family: str | None = None) -> Options:
     """Options with `auto` format and scheme replaced by the combination, among those the user left
-    open, that loads in the most engines and fits every routed expert (name, shape). Fused expert
-    tensors (`fused_family`) are loaded by engines with native per-tensor scales only."""
+    open, that loads in the most engines for `family` and fits every routed expert (name, shape). Fused
+    expert tensors (`fused_family`) are loaded by engines with native per-tensor scales only."""
     if options.scheme not in (AUTO, *SCHEMES):
         raise UsageError(f"--scheme {options.scheme} is not available; choose one of {AUTO}, "
                          f"{', '.join(SCHEMES)}.")
     if options.format not in (AUTO, *FORMATS):
         raise UsageError(f"--format {options.format} is not available; choose one of {AUTO}, "
                          f"{', '.join(FORMATS)}.")
-    ranked = _ranked(fused_family)
+    ranked = _ranked(fused_family, family)
     fitting = [c for c in ranked if _expert_misfit(c[1], experts) is None]
     wanted = _wanted(options, ranked)
     if not wanted and fused_family:
@@ -94,8 +104,8 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
     return replace(options, format=fmt, scheme=scheme)
 
 
-def _ranked(fused_family: str | None) -> list[tuple[str, str]]:
-    return [FUSED_EXPERTS] if fused_family else sorted(LOADS, key=lambda c: -len(loading_engines(*c)))
+def _ranked(fused_family: str | None, family: str | None = None) -> list[tuple[str, str]]:
+    return [FUSED_EXPERTS] if fused_family else sorted(LOADS, key=lambda c: -len(loading_engines(*c, family)))
 
 
 def _wanted(options: Options, ranked: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -103,7 +113,7 @@ def _wanted(options: Options, ranked: list[tuple[str, str]]) -> list[tuple[str, 
 
 
 def explain_auto(requested: Options, resolved: Options, experts: list[tuple[str, tuple[int, ...]]],
-                 fused_family: str | None = None) -> str | None:
+                 fused_family: str | None = None, family: str | None = None) -> str | None:
     """One line saying what `auto` resolved to and why (None when the user gave format and scheme), so a
     run never leaves people guessing which combination they got."""
     if AUTO not in (requested.format, requested.scheme):
@@ -112,8 +122,8 @@ def explain_auto(requested: Options, resolved: Options, experts: list[tuple[str,
     line = f"auto chose --format {chosen[0]} --scheme {chosen[1]}"
     if fused_family:
         return f"{line}: {fused_family} experts are fused tensors, which engines load with per-tensor scales only"
-    engines = " and ".join(loading_engines(*chosen))
-    wanted = _wanted(requested, _ranked(None))
+    engines = " and ".join(loading_engines(*chosen, family))
+    wanted = _wanted(requested, _ranked(None, family))
     skipped = wanted[:wanted.index(chosen)]
     if skipped and (misfit := _expert_misfit(skipped[0][1], experts)):
         return (f"{line} (loads in {engines}): {skipped[0][0]} / {skipped[0][1]} does not fit the routed "

@@ -15,7 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, parse_config
-from quantize_moe.adapters.fused import scale_name
+from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.plan.compatibility import resolve_options
@@ -109,6 +109,19 @@ class Plan:
                    if r.kind == Kind.ROUTED_EXPERT and ".experts." in r.module}
         return sorted({r.module for r in kept} | experts)
 
+    @property
+    def written_experts(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every routed expert weight as written (Llama-4's fused tensors per expert)."""
+        num_experts = {info.layer: info.num_experts for info in self.moe_layers}
+        return [w for name, d in self.decisions.items() if d.role.kind == Kind.ROUTED_EXPERT
+                for w in self.family.written_as(name, d.info.shape, num_experts)]
+
+    @property
+    def fused_family(self) -> str | None:
+        """The family's name when experts are written as fused tensors (engines take per-tensor scales only)."""
+        fused = any(d.role.fused is not None and not d.role.fused.unfused for d in self.decisions.values())
+        return self.family.name if fused else None
+
     def moe_layer(self, layer: int) -> MoELayerInfo:
         return next(info for info in self.moe_layers if info.layer == layer)
 
@@ -162,19 +175,24 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
     roles = {name: family.role(name, len(checkpoint.tensors[name].shape)) for name in source.names}
-    options = resolve_options(options, [(name, checkpoint.tensors[name].shape) for name in source.names
-                                        if roles[name].kind == Kind.ROUTED_EXPERT],
-                              fused_family=family.name if family.fused else None)
+    moe_layers = family.moe_layers(config)
+    num_experts = {info.layer: info.num_experts for info in moe_layers}
+    shapes = {name: [shape for _, shape in family.written_as(name, checkpoint.tensors[name].shape, num_experts)]
+              for name in source.names}
+    stay_fused = any(r.fused is not None and not r.fused.unfused for r in roles.values())
+    options = resolve_options(options, [(name, shape) for name in source.names
+                                        if roles[name].kind == Kind.ROUTED_EXPERT for shape in shapes[name]],
+                              fused_family=family.name if stay_fused else None, family=family.name)
     _check_source_not_done(checkpoint.raw_config, options, where)
     mtp = set(family.mtp_layers(config))
     decisions = {}
     for name in source.names:
         info = replace(checkpoint.tensors[name], dtype=source.output_dtype(name))
-        decisions[name] = _decide(info, roles[name], options, in_mtp_layer=family.layer_of(name) in mtp)
+        kept = family.kept_in(name, options.format, options.scheme)
+        decisions[name] = Decision(info, roles[name], False, kept) if kept else \
+            _decide(info, roles[name], options, shapes[name], in_mtp_layer=family.layer_of(name) in mtp)
     _keep_fused_siblings_together(decisions)
-    moe_layers = family.moe_layers(config)
     _check_experts(family, moe_layers, decisions, where)
-    num_experts = {info.layer: info.num_experts for info in moe_layers}
     plan = Plan(source, family, config, options, moe_layers, decisions,
                 _work_items(decisions, options, num_experts))
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
@@ -210,7 +228,8 @@ def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
                         "at the bf16/fp16/fp32 original, or run `quantize-moe dequantize` on it first.")
 
 
-def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: bool = False) -> Decision:
+def _decide(info: TensorInfo, role: TensorRole, options: Options, shapes: list[tuple[int, ...]],
+            in_mtp_layer: bool = False) -> Decision:
     if role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION):
         return Decision(info, role, False, role.reason)
     if in_mtp_layer:
@@ -221,7 +240,7 @@ def _decide(info: TensorInfo, role: TensorRole, options: Options, in_mtp_layer: 
         raise UserError(f"Tensor '{info.name}' in '{info.file}' is {info.dtype}, not bf16/fp16/fp32; "
                         "quantize-moe needs an unquantized checkpoint as SRC.")
     # Routed experts that misfit were refused when the scheme was chosen; other Linears stay.
-    if misfit := SCHEMES[options.scheme].misfit(info.shape):
+    if misfit := next(filter(None, map(SCHEMES[options.scheme].misfit, shapes)), None):
         return Decision(info, role, False, f"--scheme {options.scheme}: {misfit}")
     return Decision(info, role, True)
 
@@ -269,22 +288,29 @@ def _work_items(decisions: dict[str, Decision], options: Options, num_experts: d
         infos = [decisions[n].info for n in names]
         _check_group_dtypes(infos)
         if decisions[names[0]].quantize:
-            outputs = []
-            for info in infos:
-                outputs.append(OutputTensor(info.name, FP8_DTYPE, info.shape))
-                layout = decisions[info.name].role.fused
-                if layout is None:
-                    outputs.append(OutputTensor(f"{info.name.removesuffix('.weight')}.{fmt.scale_suffix(scheme)}",
-                                                fmt.scale_dtype(info.dtype), fmt.scale_shape(scheme, info.shape)))
-                else:
-                    experts = num_experts[decisions[info.name].role.layer]
-                    outputs.append(OutputTensor(scale_name(info.name, fmt.scale_suffix(scheme)),
-                                                fmt.scale_dtype(info.dtype), layout.scale_shape(experts)))
+            roles = [decisions[n].role for n in names]
+            outputs = [o for info, role in zip(infos, roles)
+                       for o in _quantized_outputs(info, role.fused, num_experts.get(role.layer), scheme, fmt)]
         else:
             outputs = [OutputTensor(i.name, i.dtype, i.shape) for i in infos]
         items.append(WorkItem(tuple(names), decisions[names[0]].quantize, tuple(outputs),
                               sum(i.nbytes for i in infos)))
     return items
+
+
+def _quantized_outputs(info: TensorInfo, layout: FusedLayout | None, experts: int | None, scheme,
+                       fmt) -> list[OutputTensor]:
+    """The FP8 weights a quantized tensor is written as, each followed by its scale: itself, every expert
+    of an unfused layout, or a fused tensor with one per-tensor scale per expert."""
+    if layout is not None and not layout.unfused:
+        return [OutputTensor(info.name, FP8_DTYPE, info.shape),
+                OutputTensor(scale_name(info.name, fmt.scale_suffix(scheme)), fmt.scale_dtype(info.dtype),
+                             layout.scale_shape(experts))]
+    weights = layout.expert_weights(info.name, experts, info.shape) if layout else [(info.name, info.shape)]
+    return [out for name, shape in weights
+            for out in (OutputTensor(name, FP8_DTYPE, shape),
+                        OutputTensor(f"{name.removesuffix('.weight')}.{fmt.scale_suffix(scheme)}",
+                                     fmt.scale_dtype(info.dtype), fmt.scale_shape(scheme, shape)))]
 
 
 def _check_group_dtypes(infos: list[TensorInfo]) -> None:
@@ -330,7 +356,7 @@ def _check_experts(family: PerExpertFamily, moe_layers: list[MoELayerInfo], deci
         raise UserError(f"Layer {undeclared[0]} has routed experts on disk but {where} does not make it an "
                         "MoE layer; the config does not belong to these weights.")
     for layer, info in declared.items():
-        if family.fused:
+        if family.fused and not per_expert.get(layer):  # a family with both layouts (Llama-4) may hold either
             _check_fused_layer(family, info, fused.get(layer, {}), where)
         else:
             _check_per_expert_layer(info, per_expert.get(layer, {}), where)

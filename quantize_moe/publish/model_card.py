@@ -155,7 +155,7 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
     inventory = take_inventory(checkpoint, record["options"].get("adapter"))
     qc = checkpoint.raw_config.get("quantization_config", {})
     combination = (qc.get("quant_method"), inventory.spec.weight)
-    engines = tuple(loading_engines(*combination)) if combination in LOADS else ()
+    engines = tuple(loading_engines(*combination, inventory.family.name)) if combination in LOADS else ()
     repo = repo_id or dst.name
     base = record["base_model"]
     data = ModelCardData(base_model=base, base_model_relation="quantized" if base else None,

@@ -47,7 +47,8 @@ from quantize_moe.quantization import fp8
 from quantize_moe.write.digests import shard_digest
 from quantize_moe.errors import UsageError, UserError
 from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE
-from quantize_moe.plan.plan import Plan, WorkItem
+from quantize_moe.adapters.fused import FusedLayout
+from quantize_moe.plan.plan import OutputTensor, Plan, WorkItem
 from quantize_moe.source.tensor_bytes import data_offsets, read_into
 from quantize_moe.write.shard_file import DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, placed
 
@@ -230,17 +231,31 @@ def produce(plan: Plan, item: WorkItem, sources: list[tuple[str, torch.Tensor]])
         return {out.name: tensor.to(out.dtype) for (_, tensor), out in zip(sources, item.outputs)}
     out = {}
     role = plan.decisions[item.sources[0]].role
-    if role.fused is None:
+    layout = role.fused
+    if layout is None:
         quantized = plan.scheme.quantize_group(sources, item.outputs[1].dtype)
+    elif layout.unfused:  # every expert's shards (gate with up) a group of their own, in output order
+        (_, tensor), = sources
+        quantized = _quantize_unfused(plan, layout, plan.moe_layer(role.layer).num_experts, tensor,
+                                      item.outputs[0::2], item.outputs[1].dtype)
     else:
         quantized = plan.scheme.quantize_experts(sources, plan.moe_layer(role.layer).num_experts)
     for q, weight_out, scale_out in zip(quantized, item.outputs[0::2], item.outputs[1::2]):
         out[weight_out.name] = q.weight
         scale = q.scale.to(scale_out.dtype)
-        if role.fused is not None:  # [E] -> [E, shards]: the shards of one expert share its scale
+        if layout is not None and not layout.unfused:  # [E] -> [E, shards]: an expert's shards share its scale
             scale = scale.reshape(-1, *[1] * (len(scale_out.shape) - 1)).expand(scale_out.shape)
         out[scale_out.name] = scale.reshape(scale_out.shape).contiguous()
     return out
+
+
+def _quantize_unfused(plan: Plan, layout: FusedLayout, num_experts: int, tensor: torch.Tensor,
+                      weight_outs: tuple[OutputTensor, ...], scale_dtype: torch.dtype) -> list:
+    """One fused tensor quantized as the per-expert Linears `weight_outs` names, expert by expert."""
+    shards = layout.split(tensor, num_experts)
+    names = iter(o.name for o in weight_outs)
+    return [q for e in range(num_experts)
+            for q in plan.scheme.quantize_group([(next(names), shards[s][e]) for s in layout.shards], scale_dtype)]
 
 
 def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard: ShardFile) -> None:
