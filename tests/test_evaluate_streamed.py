@@ -60,3 +60,12 @@ def test_bad_data_is_one_sentence(pair, tmp_path, content, message):
         save_file(content, data)
     result = runner.invoke(app, ["evaluate", str(pair / "src"), str(pair / "dst"), "--data", str(data)])
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_llama4_written_per_expert_is_refused_in_one_sentence(pair, tmp_path):
+    """transformers' Llama-4 modules hold fused experts; our Llama-4 output has one Linear per expert."""
+    build_tiny_checkpoint("llama4_text", tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "dst", Options(), show_progress=False)
+    result = runner.invoke(app, ["evaluate", str(tmp_path / "src"), str(tmp_path / "dst"), "--data",
+                                 str(pair / "ids.safetensors")])
+    assert result.exit_code == 1 and "cannot be run layer by layer" in " ".join(result.output.split())

@@ -35,9 +35,9 @@ def fp8_perplexity(src: Path, data: bytes, options: Options, workdir: Path,
     from quantize_moe.plan.compatibility import loading_engines
     from quantize_moe.write.job import quantize_checkpoint
 
-    options = quantize_checkpoint(src, workdir / "fp8", options, show_progress=False).plan.options
-    folder, how = workdir / "fp8", "transformers"
-    if "transformers" not in loading_engines(options.format, options.scheme):
+    plan = quantize_checkpoint(src, workdir / "fp8", options, show_progress=False).plan
+    options, folder, how = plan.options, workdir / "fp8", "transformers"
+    if "transformers" not in loading_engines(options.format, options.scheme, plan.family.name):
         dequantize_checkpoint(folder, workdir / "dequantized")
         folder, how = workdir / "dequantized", "dequantized, then transformers"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
