@@ -45,8 +45,9 @@ def test_quantize_and_inspect(tiny_checkpoint, tmp_path):
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
 
 
-def test_demo_runs_offline():
-    result = invoke("demo")
+@pytest.mark.parametrize("family", [(), ("--family", "llama4_text")])  # the default; experts written unfused
+def test_demo_runs_offline(family):
+    result = invoke("demo", *family)
     assert result.exit_code == 0, result.output
     assert "Routed experts: dequantized FP8 vs original" in result.output and "NO" not in result.output
 
