@@ -4,6 +4,7 @@ uninterrupted run; the manifest catches output files altered or truncated later.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,37 @@ def test_overwrite_replaces_an_earlier_run(mixtral_src, reference, finished):  #
     (finished / "model-00002-of-00003.safetensors").write_bytes(b"stale")
     assert run_cli("quantize", mixtral_src, finished, "--overwrite", *ARGS).exit_code == 0
     assert snapshot(finished) == reference
+
+
+def rewrite_same_size(shard: Path, keep_mtime: bool) -> None:
+    """New bytes in every tensor of `shard`, same names, dtypes, shapes and file size (another save)."""
+    from safetensors.torch import load_file, save_file
+
+    stat = shard.stat()
+    save_file({name: t.flip(-1) for name, t in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    assert shard.stat().st_size == stat.st_size
+    if keep_mtime:  # as `cp -p` or a restore from a backup would leave it
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["new mtime", "mtime kept"])
+def test_resume_after_the_source_bytes_changed_is_refused(mixtral_src, tmp_path, keep_mtime):  # noqa: F811
+    src = Path(shutil.copytree(mixtral_src, tmp_path / "src", copy_function=shutil.copy2))
+    dst = tmp_path / "dst"
+    killed_run(src, dst, 4, "after")  # the first output shard is finished
+    rewrite_same_size(sorted(src.glob("*.safetensors"))[-1], keep_mtime)
+    before = snapshot(dst)
+    assert_refused(run_cli("quantize", src, dst, "--resume", *ARGS), "changed since", "--overwrite")
+    assert snapshot(dst) == before
+
+
+def test_resume_of_an_untouched_copy_matches_the_original_run(mixtral_src, reference, tmp_path):  # noqa: F811
+    """The source record holds only what SRC's shards are: a copy keeping their times resumes, and its
+    checkpoint ends byte-identical to the uninterrupted run of the original (the run record and card
+    name the source folder, which differs)."""
+    src = Path(shutil.copytree(mixtral_src, tmp_path / "src", copy_function=shutil.copy2))
+    dst = tmp_path / "dst"
+    killed_run(src, dst, 4, "after")
+    assert run_cli("quantize", src, dst, "--resume", *ARGS).exit_code == 0
+    weights = {k: v for k, v in reference.items() if k.endswith((".safetensors", ".json")) and "quantize" not in k}
+    assert {k: snapshot(dst)[k] for k in weights} == weights

@@ -17,7 +17,7 @@ from pathlib import Path
 from quantize_moe.write import pipeline
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.console import byte_progress
-from quantize_moe.write.manifest import Manifest, run_fingerprint
+from quantize_moe.write.manifest import Manifest, run_fingerprint, source_records
 from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,
                                  prepare_destination, replaced_files, write_json)
 from quantize_moe.errors import UsageError
@@ -63,7 +63,7 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     plan.check_loadable()
     extras = extra_files(checkpoint)
     check_destination(src, dst, overwrite=overwrite, resume=resume)
-    manifest = Manifest.for_run(dst, run_fingerprint(plan), resume)
+    manifest = Manifest.for_run(dst, run_fingerprint(plan), resume, source_records(checkpoint))
     check_free_space(dst, output_bytes(plan, extras) - manifest.finished_bytes,
                      freed=sum(p.stat().st_size for p in replaced_files(dst, overwrite=overwrite)))
     prepare_destination(dst, overwrite=overwrite)

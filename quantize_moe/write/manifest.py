@@ -8,16 +8,19 @@ a sha256 of the file, or for a shard one over its header and tensors); everythin
 written again. When the run ends the manifest lists every file of the checkpoint
 and says `complete`, so a truncated or altered file is detectable later.
 
-The manifest holds nothing that differs between runs (no times, no absolute
-paths), so a resumed run ends byte-identical to an uninterrupted one. Its `run`
-fingerprint covers everything the output depends on; resuming under a different
-SRC, different options or another quantize-moe version is refused.
+The manifest holds nothing of its own that differs between runs (no times of
+the run, no absolute paths), so a resumed run ends byte-identical to an
+uninterrupted one. Its `run` fingerprint covers the options, config, layout and
+quantize-moe version, and its `source` record each shard of SRC as the run found
+it (`source_records`: size, modification time and a digest of its header and
+sampled data); resuming after either changed is refused, naming what changed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +29,9 @@ from quantize_moe.write.digests import file_digest, file_digests
 from quantize_moe.errors import UserError
 from quantize_moe.write.destination import MANIFEST_NAME, write_json
 from quantize_moe.plan.plan import Plan
+from quantize_moe.source.checkpoint import Checkpoint
+
+SAMPLES_PER_SHARD, SAMPLE_BYTES = 16, 64 << 10  # 1 MiB read per source shard, spread over its data
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,8 @@ class FileRecord:
 
 
 def run_fingerprint(plan: Plan) -> str:
-    """sha256 of everything the output bytes depend on: source metadata, config, options, layout and
-    the tool version. Tensor data is not hashed (that would read SRC twice); a SRC whose bytes change
-    under the same names, shapes and file sizes between a crash and `--resume` is not detected."""
+    """sha256 of everything the output bytes depend on but SRC's data: source metadata, config, options,
+    layout and the tool version (the shards' bytes are `source_records`)."""
     checkpoint = plan.checkpoint
     source = {
         "version": __version__,
@@ -55,13 +60,41 @@ def run_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(source, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def source_records(checkpoint: Checkpoint) -> dict[str, list]:
+    """Each source shard as this run reads it: size, modification time (ns) and the sha256 of its
+    safetensors header plus SAMPLES_PER_SHARD evenly spread windows of its data, so that bytes changed
+    under the same names and sizes are caught even when the time was kept (a copy with `cp -p`), at the
+    cost of a few MiB read per shard. A Hub source streamed shard by shard is pinned by its commit."""
+    commit = getattr(checkpoint, "commit", None)
+    if not checkpoint.shards_stay_local:
+        return {f: [checkpoint.shard_size(f), commit] for f in checkpoint.shard_files}
+    return {f: _shard_record(checkpoint.shard_path(f)) for f in checkpoint.shard_files}
+
+
+def _shard_record(path: Path) -> list:
+    digest, size = hashlib.sha256(), path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header_end = 0  # a pickle shard (--allow-pickle) is only sampled
+        if path.suffix == ".safetensors":
+            header_end = min(size, 8 + int.from_bytes(os.pread(fd, 8, 0), "little"))
+            digest.update(os.pread(fd, header_end, 0))
+        span = max(0, size - header_end - SAMPLE_BYTES)
+        for i in range(SAMPLES_PER_SHARD):
+            digest.update(os.pread(fd, SAMPLE_BYTES, header_end + span * i // max(1, SAMPLES_PER_SHARD - 1)))
+    finally:
+        os.close(fd)
+    return [size, path.stat().st_mtime_ns, digest.hexdigest()]
+
+
 class Manifest:
     """The finished files of one run in one DST (see the module docstring for the protocol)."""
 
     def __init__(self, dst: Path, run: str, files: dict[str, FileRecord] | None = None,
-                 complete: bool = False):
+                 complete: bool = False, source: dict[str, list] | None = None):
         self.dst, self.run, self.complete = dst, run, complete
         self.files: dict[str, FileRecord] = dict(files or {})
+        self.source: dict[str, list] = dict(source or {})
 
     @property
     def path(self) -> Path:
@@ -76,19 +109,28 @@ class Manifest:
         try:
             data = json.loads(path.read_text())
             files = {name: FileRecord(int(r["size"]), str(r["digest"])) for name, r in data["files"].items()}
-            return cls(dst, str(data["run"]), files, bool(data["complete"]))
+            source = data.get("source", {})
+            if not isinstance(source, dict):
+                raise TypeError
+            return cls(dst, str(data["run"]), files, bool(data["complete"]), source)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UserError(f"'{path}' is damaged; rerun with --overwrite instead of --resume.") from None
 
     @classmethod
-    def for_run(cls, dst: Path, run: str, resume: bool) -> Manifest:
-        """A fresh manifest, or with `resume` the one in DST after checking it belongs to this run."""
+    def for_run(cls, dst: Path, run: str, resume: bool, source: dict[str, list]) -> Manifest:
+        """A fresh manifest, or with `resume` the one in DST after checking it belongs to this run and
+        that SRC's shards are still those it was written from (`source_records`)."""
         found = cls.load(dst) if resume else None
         if found is None:
-            return cls(dst, run)
+            return cls(dst, run, source=source)
         if found.run != run:
             raise UserError(f"'{found.path}' was written for a different SRC, options or quantize-moe version; "
                             "rerun with the original arguments, or with --overwrite to start over.")
+        changed = sorted(f for f in source.keys() | found.source.keys() if source.get(f) != found.source.get(f))
+        if changed:
+            raise UserError(f"SRC's shard '{changed[0]}' changed since the run in '{dst}' was interrupted (its "
+                            "size, modification time or bytes differ), so the finished shards may not belong to "
+                            "it; rerun with --overwrite to start over.")
         found.complete = False  # until this run finishes again
         return found
 
@@ -125,4 +167,4 @@ class Manifest:
     def save(self) -> None:
         files = {name: asdict(self.files[name]) for name in sorted(self.files)}
         write_json(self.path, {"quantize_moe": __version__, "run": self.run, "complete": self.complete,
-                               "files": files})
+                               "source": self.source, "files": files})
