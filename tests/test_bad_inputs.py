@@ -166,10 +166,10 @@ CASES = {
     "quantized, no way back": (
         lambda src, _: edit_config(src, lambda c: c.update(quantization_config={"quant_method": "gptq"})),
         ["already quantized (gptq)", "cannot dequantize"], True),
-    "quantized fp8": (  # refused when asked for the very format and scheme it is already in
+    "quantization_config on bf16 weights": (
         lambda src, _: edit_config(src, lambda c: c.update(quantization_config={"quant_method": "fp8"}))
         or ["--format", "fp8", "--scheme", "tensor"],
-        ["already quantized (fp8)", "quantize-moe dequantize"], True),
+        ["quantization_config (fp8)", "no tensor of the checkpoint is FP8"], True),
     "mixed dtypes in a scale group": (lambda src, _: edit_tensor(src, EXPERT_UP, lambda t: t.float()),
                                       [EXPERT_UP, "shares its scale", "torch.float32"], True),
     "config.json links outside SRC": (config_links_outside, [CONFIG_NAME, "links outside"], True),
@@ -280,7 +280,7 @@ def test_pickle_checkpoint_with_allow_pickle_gives_the_same_shards(mixtral_src, 
 def test_an_fp8_checkpoint_is_requantized_through_dequantize(mixtral_src, tmp_path):
     fp8, bf16, again = tmp_path / "fp8", tmp_path / "bf16", tmp_path / "again"
     assert run_cli("quantize", mixtral_src, fp8, "--no-progress").exit_code == 0
-    assert_refused(run_cli("quantize", fp8, again, "--no-progress"), "quantize-moe dequantize")
+    assert_refused(run_cli("quantize", fp8, again, "--no-progress"), "nothing to do", "--requantize")
     assert run_cli("dequantize", fp8, bf16).exit_code == 0
     assert run_cli("quantize", bf16, again, "--no-progress").exit_code == 0
 

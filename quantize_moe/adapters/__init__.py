@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
-from quantize_moe.adapters.base import Kind, MoELayerInfo, PerExpertFamily, TensorRole
+from quantize_moe.adapters.base import (ConfigFieldError, Kind, MoELayerInfo, PerExpertFamily, TensorRole, config_int,
+                                        text_config)
 from quantize_moe.adapters.families import FAMILIES
 from quantize_moe.adapters.generic import GENERIC, GenericFamily, NoExpertPattern, detect
 from quantize_moe.errors import UsageError, UserError
@@ -72,16 +73,29 @@ def parse_config(raw_config: dict, family: PerExpertFamily, where: str, tensor_n
     except (TypeError, ValueError, StrictDataclassError) as e:  # transformers 5 validates fields strictly
         raise UserError(f"{where} could not be parsed as a {family.name} config ({e}); "
                         "restore the original config.json.") from None
-    _check_layer_count(config, family, where, tensor_names)
+    try:
+        _check_layer_count(config, family, where, tensor_names)
+        layers, _ = family.moe_layers(config), family.mtp_layers(config)
+    except ConfigFieldError as e:
+        raise UserError(f"{where} {e}; restore the original config.json.") from None
+    _check_top_k(layers, family, where)
     return config
+
+
+def _check_top_k(layers: list[MoELayerInfo], family: PerExpertFamily, where: str) -> None:
+    """Each token picks top_k of the layer's experts: more than there are is no model."""
+    for info in layers:
+        if info.top_k is not None and not 1 <= info.top_k <= info.num_experts:
+            raise UserError(f"{where} makes each token pick {info.top_k} experts ({family.top_k_keys[0]}) in layer "
+                            f"{info.layer}, which has {info.num_experts}; restore the original config.json.")
 
 
 def _check_layer_count(config: PretrainedConfig, family: PerExpertFamily, where: str,
                        tensor_names: Iterable[str]) -> None:
     """Every per-layer walk runs to num_hidden_layers: a count beyond the layers on disk (an absurd one
     would never finish) means the config does not belong to these weights."""
-    declared = getattr(config.get_text_config(), "num_hidden_layers", None)
+    declared = config_int(text_config(config), "num_hidden_layers")
     on_disk = 1 + max((layer for name in tensor_names if (layer := family.layer_of(name)) is not None), default=-1)
-    if isinstance(declared, int) and declared > on_disk:
+    if declared is not None and declared > on_disk:
         raise UserError(f"{where} declares {declared} decoder layers (num_hidden_layers), but the checkpoint's "
                         f"tensors hold {on_disk}; restore the config.json that belongs to these weights.")

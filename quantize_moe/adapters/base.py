@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters.fused import FusedLayout
+from quantize_moe.errors import UserError
 from quantize_moe.moe.routing import RoutingRule, Scoring
 
 # vLLM's FusedMoE shard ids: gate = w1, down = w2, up = w3.
@@ -40,6 +41,48 @@ class TensorRole:
     expert: int | None = None
     shard_id: str | None = None  # w1 / w2 / w3 for routed experts
     fused: FusedLayout | None = None  # for a tensor holding one projection of every expert
+
+
+class ConfigFieldError(UserError):
+    """A config.json field the adapters read has the wrong type; `parse_config` names the file."""
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config (the config itself, or its `text_config`), refusing one that is not a config."""
+    try:
+        text = config.get_text_config()
+    except ValueError as e:  # several candidate sub-configs
+        raise ConfigFieldError(f"has more than one text config ({e})") from None
+    if not isinstance(text, PretrainedConfig):
+        raise ConfigFieldError(f"field 'text_config' is {text!r}, not an object of model settings")
+    return text
+
+
+def config_int(config, key: str, default: int | None = None, layer: int | None = None) -> int | None:
+    """An integer field of a config (dotted keys reach into sub-configs; a per-layer list gives the entry
+    of `layer`), `default` when it is absent or null: the one way adapters read counts, so a field of the
+    wrong type (`"8"`, a list, nested garbage) is a sentence naming it instead of a crash later."""
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part, None) if not isinstance(value, dict) else value.get(part)
+    if isinstance(value, (list, tuple)) and layer is not None:
+        value = value[layer] if layer < len(value) else None
+        key = f"{key}[{layer}]"
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigFieldError(f"field '{key}' is {value!r}, not a whole number of at least 0")
+    return value
+
+
+def config_ints(config, key: str) -> list[int]:
+    """A list of whole numbers (layer indices such as `mlp_only_layers`), empty when absent or null."""
+    value = getattr(config, key, None)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise ConfigFieldError(f"field '{key}' is {value!r}, not a list of whole numbers")
+    return list(value)
 
 
 @dataclass(frozen=True)
@@ -105,38 +148,30 @@ class PerExpertFamily:
 
     # -- config -------------------------------------------------------------------------------
     def config_value(self, config: PretrainedConfig, keys: tuple[str, ...], layer: int = 0) -> int | None:
-        """The first key present; dotted keys reach into sub-configs (DBRX `ffn_config.*`), and a
-        per-layer list (Hunyuan `moe_topk`) gives the layer's entry."""
-        for key in keys:
-            value = config
-            for part in key.split("."):
-                value = getattr(value, part, None)
-            if isinstance(value, (list, tuple)):
-                value = value[layer]
-            if value is not None:
-                return value
-        return None
+        """The first key present, through `config_int`: dotted keys reach into sub-configs (DBRX
+        `ffn_config.*`), and a per-layer list (Hunyuan `moe_topk`) gives the layer's entry."""
+        return next((v for key in keys if (v := config_int(config, key, layer=layer)) is not None), None)
 
     def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
         """Mixtral-like default: every decoder layer is MoE."""
         return True
 
     def moe_layers(self, config: PretrainedConfig) -> list[MoELayerInfo]:
-        config = config.get_text_config()
+        config = text_config(config)
         if not self.config_value(config, self.num_experts_keys):
             return []
         return [MoELayerInfo(layer=i, num_experts=self.config_value(config, self.num_experts_keys, i),
-                             hidden_size=config.hidden_size,
+                             hidden_size=config_int(config, "hidden_size"),
                              expert_width=self.config_value(config, self.expert_width_keys, i),
                              top_k=self.config_value(config, self.top_k_keys, i))
-                for i in range(config.num_hidden_layers) if self.is_moe_layer(config, i)]
+                for i in range(config_int(config, "num_hidden_layers", 0)) if self.is_moe_layer(config, i)]
 
     def mtp_layers(self, config: PretrainedConfig) -> list[int]:
         """Multi-token-prediction layers that real DeepSeek-V3 / GLM checkpoints keep after the
         decoder layers (`num_nextn_predict_layers`); transformers' models do not build them."""
-        config = config.get_text_config()
-        extra = getattr(config, "num_nextn_predict_layers", 0) or 0
-        return list(range(config.num_hidden_layers, config.num_hidden_layers + extra))
+        config = text_config(config)
+        layers = config_int(config, "num_hidden_layers", 0)
+        return list(range(layers, layers + config_int(config, "num_nextn_predict_layers", 0)))
 
     def layer_of(self, name: str) -> int | None:
         """The decoder-layer index a tensor belongs to, if any."""
@@ -146,7 +181,7 @@ class PerExpertFamily:
     def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
         """The family's top-k rule in decoder layer `layer`; `router` maps the names of the layer's router
         parameters (`weight`, and `bias` or `e_score_correction_bias` where the family has one) to tensors."""
-        config = config.get_text_config()
+        config = text_config(config)
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else bool(
             getattr(config, self.renormalize, False))
         bias = router.get("e_score_correction_bias")

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from transformers import PretrainedConfig
 
-from quantize_moe.adapters.base import PerExpertFamily
+from quantize_moe.adapters.base import PerExpertFamily, config_int, config_ints, text_config
 from quantize_moe.adapters.fused import FusedLayout
 from quantize_moe.errors import UserError
 from quantize_moe.moe.routing import RoutingRule
@@ -29,8 +29,8 @@ class QwenMoEFamily(PerExpertFamily):
     """Qwen2/3-MoE: `mlp_only_layers` stay dense; others are MoE every `decoder_sparse_step`."""
 
     def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
-        dense = getattr(config, "mlp_only_layers", None) or []
-        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = config_ints(config, "mlp_only_layers")
+        step = config_int(config, "decoder_sparse_step", 1) or 1
         return layer not in dense and (layer + 1) % step == 0
 
 
@@ -38,14 +38,14 @@ class DeepseekFamily(PerExpertFamily):
     """DeepSeek-V2/V3, Kimi-K2, GLM-4.5: the first `first_k_dense_replace` layers are dense MLPs."""
 
     def is_moe_layer(self, config: PretrainedConfig, layer: int) -> bool:
-        first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-        freq = getattr(config, "moe_layer_freq", 1) or 1
+        first_dense = config_int(config, "first_k_dense_replace", 0)
+        freq = config_int(config, "moe_layer_freq", 1) or 1
         return layer >= first_dense and layer % freq == 0
 
     def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
         """V3/Kimi-K2/GLM-4.5 (`noaux_tc`): biased sigmoid with grouped choice; V2: softmax, greedy or group-limited."""
-        common = dict(top_k=config.num_experts_per_tok, n_group=getattr(config, "n_group", 1) or 1,
-                      topk_group=getattr(config, "topk_group", 1) or 1,
+        common = dict(top_k=config_int(config, "num_experts_per_tok"), n_group=config_int(config, "n_group", 1) or 1,
+                      topk_group=config_int(config, "topk_group", 1) or 1,
                       routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0) or 1.0)
         if getattr(config, "topk_method", "noaux_tc") == "noaux_tc":
             return RoutingRule("grouped_sigmoid", renormalize=bool(getattr(config, "norm_topk_prob", True)),
@@ -101,7 +101,7 @@ class Llama4Family(PerExpertFamily):
     def routing_rule(self, config: PretrainedConfig, router: dict[str, torch.Tensor], layer: int = 0) -> RoutingRule:
         """Sigmoid of the chosen logit, which scales the expert's input: the fused experts run that by
         scaling the rows, which is the same function only with one expert per token."""
-        top_k = self.config_value(config.get_text_config(), self.top_k_keys, layer)
+        top_k = self.config_value(text_config(config), self.top_k_keys, layer)
         if top_k != 1:
             raise UserError(f"This Llama-4 config has num_experts_per_tok {top_k}, but its router weight scales "
                             "the expert input, which quantize-moe can only run with one expert per token.")

@@ -17,7 +17,7 @@ from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
-from quantize_moe.quantization.spec import expand_weight_scale
+from quantize_moe.quantization.spec import expand_weight_scale, scale_count
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -34,6 +34,26 @@ class SourceReader:
         self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         config = parse_config(checkpoint.raw_config, self.family, where, checkpoint.tensors)
         self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(config)}
+        self._check_weights_match_config(where)
+
+    def _check_weights_match_config(self, where: str) -> None:
+        """A quantization_config over weights none of which is FP8, or a scale beside a weight that is not
+        FP8, means the config and the tensors come from different saves: reading on would drop the scales
+        (or apply them to weights they do not belong to)."""
+        if not self.quantized:
+            return
+        tensors = self.checkpoint.tensors
+        method = self.checkpoint.raw_config["quantization_config"].get("quant_method")
+        if not any(info.dtype == FP8_DTYPE for info in tensors.values()):
+            raise UserError(f"{where} has a quantization_config ({method}) but no tensor of the checkpoint is FP8; "
+                            "the config and the weights come from different saves: remove quantization_config "
+                            "for a bf16 checkpoint, or restore the FP8 weights.")
+        for name in filter(self.is_scale, tensors):
+            stem = name[:-len(next(s for s in SCALE_SUFFIXES if name.endswith(s)))]
+            owner = stem[:-1] + ".weight" if stem.endswith(".") else stem[:-1]
+            if owner in tensors and tensors[owner].dtype != FP8_DTYPE:
+                raise UserError(f"Tensor '{owner}' is {tensors[owner].dtype} but has the FP8 scale '{name}'; the "
+                                "checkpoint mixes quantized and unquantized saves, so restore a consistent one.")
 
     @property
     def quantized(self) -> bool:
@@ -62,23 +82,38 @@ class SourceReader:
 
     def weight_scale(self, name: str) -> torch.Tensor:
         """The float32 scale of the (unfused) FP8 weight `name`, broadcastable to it whatever the scheme."""
-        scale = self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}")
         shape = self.checkpoint.tensors[name].shape
+        scale = self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}", scale_count(self.spec, shape))
         return expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
                                    self.spec, (1, *shape))[0]
 
     def _fused(self, name: str, q: torch.Tensor, layout: FusedLayout, num_experts: int) -> torch.Tensor:
         """Per-tensor scales `[E]` or `[E, shards]` of a tensor holding every expert."""
-        scales = self._scale(name, scale_name(name, self.scale_suffix)).reshape(num_experts, -1)
+        scales = self._scale(name, scale_name(name, self.scale_suffix))
+        if scales.numel() not in (num_experts, num_experts * len(layout.shards)):
+            raise UserError(f"Scale '{scale_name(name, self.scale_suffix)}' of '{name}' has {scales.numel()} values, "
+                            f"but {num_experts} experts need one each (or one per projection); the checkpoint "
+                            "is damaged.")
+        scales = scales.reshape(num_experts, -1)
         shards = {shard: w.float() * scales[:, i % scales.shape[1], None, None]
                   for i, (shard, w) in enumerate(layout.split(q, num_experts).items())}
         return layout.join(shards, q.shape)
 
-    def _scale(self, name: str, scale: str) -> torch.Tensor:
+    def _scale(self, name: str, scale: str, numel: int | None = None) -> torch.Tensor:
+        """The float32 scale tensor `scale` of FP8 weight `name`: present, of `numel` values when given
+        (else the caller's shape check), finite and positive: a NaN, zero or negative multiplier would
+        write NaN, zeroed or sign-flipped weights without a word."""
         if scale not in self.checkpoint.tensors:
             raise UserError(f"Tensor '{name}' is FP8 but its scale '{scale}' is missing from "
                             f"'{self.checkpoint.folder}'; re-download the checkpoint.")
-        return self.checkpoint.get(scale).float()
+        values = self.checkpoint.get(scale).float()
+        if numel is not None and values.numel() != numel:
+            raise UserError(f"Scale '{scale}' of '{name}' has shape {tuple(values.shape)}, but the weight's "
+                            f"{self.spec.weight} scales need {numel} values; the checkpoint is damaged.")
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise UserError(f"Scale '{scale}' of '{name}' holds NaN, Inf, zero or negative values, which would "
+                            "destroy the weight; re-download the checkpoint.")
+        return values
 
     def close(self) -> None:
         self.checkpoint.close()

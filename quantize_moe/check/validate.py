@@ -126,6 +126,22 @@ def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens
         quantization_error=_relative(ref_fp8, ref_bf16), passed=passed)
 
 
+def _check_same_model(source: MoECheckpoint, produced: MoECheckpoint, src, dst) -> None:
+    """DST must be SRC's model: the same family and, layer by layer, the same experts and shapes."""
+    if source.family.name != produced.family.name:
+        raise UserError(f"SRC '{src}' is a {source.family.name} checkpoint but DST '{dst}' is a "
+                        f"{produced.family.name} one; validate DST against the checkpoint it was made from.")
+    if sorted(source.layers) != sorted(produced.layers):
+        raise UserError(f"SRC '{src}' and DST '{dst}' have different MoE layers; is DST made from SRC?")
+    for layer, info in source.layers.items():
+        theirs = produced.layers[layer]
+        mine = (info.num_experts, info.hidden_size, info.expert_width)
+        if mine != (theirs.num_experts, theirs.hidden_size, theirs.expert_width):
+            raise UserError(f"MoE layer {layer} has {mine[0]} experts of hidden size {mine[1]} and width {mine[2]} "
+                            f"in SRC '{src}', but {theirs.num_experts}, {theirs.hidden_size} and {theirs.expert_width} "
+                            "in DST; validate DST against the checkpoint it was made from.")
+
+
 def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int = 0, device: str = "auto",
              hidden_states_file: Path | None = None, layers: list[int] | None = None,
              thresholds: Thresholds = Thresholds(), on_layer=None, adapter: str | None = None) -> ValidationReport:
@@ -138,8 +154,7 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
         raise UserError(f"SRC '{src}' is a {source.family.name} checkpoint, which validate cannot check: its experts "
                         f"use biases and a {source.family.activation} activation that the fused-MoE layer it "
                         "runs does not compute.")
-    if sorted(source.layers) != sorted(produced.layers):
-        raise UserError(f"SRC '{src}' and DST '{dst}' have different MoE layers; is DST made from SRC?")
+    _check_same_model(source, produced, src, dst)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

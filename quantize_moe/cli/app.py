@@ -114,6 +114,9 @@ def quantize(
         "--resume", help="Continue an interrupted run in DST: shards its manifest lists as finished (and that "
                          "still match their hashes) are kept, the rest is written again.")] = False,
     allow_pickle: AllowPickle = False,
+    requantize: Annotated[bool, typer.Option(
+        "--requantize", help="Quantize a SRC that is already FP8 into another scheme or format: its weights are "
+                             "rounded twice (a warning and the model card say so).")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     stream: Annotated[bool, typer.Option("--stream", help="Hub SRC: download, quantize and delete shards one "
                                                          "by one instead of caching the whole model.")] = False,
@@ -139,7 +142,7 @@ def quantize(
     from quantize_moe.write.job import quantize_checkpoint
 
     options = Options(experts_only=experts_only, scheme=scheme, format=format_,
-                      max_shard_size=_shard_size(max_shard_size), adapter=adapter)
+                      max_shard_size=_shard_size(max_shard_size), adapter=adapter, requantize=requantize)
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
                                       show_progress=progress, device=device,

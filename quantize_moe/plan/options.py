@@ -26,3 +26,4 @@ class Options:
     format: str = AUTO
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     adapter: str | None = None  # "generic": the generic adapter instead of the model_type's family
+    requantize: bool = False  # quantize a SRC that is already quantized (its weights are rounded twice)

@@ -153,6 +153,16 @@ class Plan:
             raise UserError(f"{where} is a {family.name} checkpoint, which quantize-moe does not quantize: "
                             f"{family.fp8_refusal}.")
 
+    def check_requantize(self) -> None:
+        """A pre-quantized SRC is requantized only when asked for: every weight is then rounded to FP8
+        twice, and `verify --against` the bf16 original finds errors beyond one rounding."""
+        if self.source.quantized and not self.options.requantize:
+            method = self.checkpoint.raw_config["quantization_config"].get("quant_method")
+            raise UserError(f"'{self.checkpoint.folder / CONFIG_NAME}' says the checkpoint is already quantized "
+                            f"({method}); quantizing it again rounds every weight twice, so point SRC at the "
+                            "bf16/fp16/fp32 original, or pass --requantize to do it anyway (the model card "
+                            "says so).")
+
     @property
     def shard_names(self) -> list[str]:
         n = len(self.shards)
@@ -170,7 +180,6 @@ def _natural_key(name: str) -> list:
 
 def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
-    _check_source_readable(checkpoint.raw_config, where)
     source = SourceReader(checkpoint, dtype=torch.float32, adapter=options.adapter)
     family = source.family
     config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
@@ -195,37 +204,22 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     _check_experts(family, moe_layers, decisions, where)
     plan = Plan(source, family, config, options, moe_layers, decisions,
                 _work_items(decisions, options, num_experts))
+    _check_output_names(plan.items, checkpoint)
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
     return plan
-
-
-def _source_method(raw: dict) -> str | None:
-    qc = raw["quantization_config"]
-    return qc.get("quant_method") if isinstance(qc, dict) else None
-
-
-def _check_source_readable(raw: dict, where: str) -> None:
-    """A pre-quantized SRC is dequantized and requantized; refuse one quantize-moe cannot read."""
-    if "quantization_config" not in raw:
-        return
-    try:
-        read_quantization(raw, where)
-    except (UserError, AttributeError):
-        raise UserError(f"{where} says the checkpoint is already quantized ({_source_method(raw)}), in a format "
-                        "quantize-moe cannot dequantize; point SRC at the bf16/fp16/fp32 original.") from None
 
 
 def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
     """Refuse a SRC already quantized the way it is asked for: there is nothing to do."""
     if "quantization_config" not in raw:
         return
-    method = _source_method(raw)
+    method = raw["quantization_config"].get("quant_method")
     scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
     asked = {"quantization_config": fmt.quantization_config(scheme, [], [])}  # what our output would declare
     if (method, *read_quantization(raw, where)) == (fmt.name, *read_quantization(asked, where)):
         raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
                         f"{options.scheme} --format {options.format} asks, so there is nothing to do; point SRC "
-                        "at the bf16/fp16/fp32 original, or run `quantize-moe dequantize` on it first.")
+                        "at the bf16/fp16/fp32 original, or ask for another --scheme or --format with --requantize.")
 
 
 def _decide(info: TensorInfo, role: TensorRole, options: Options, shapes: list[tuple[int, ...]],
@@ -311,6 +305,21 @@ def _quantized_outputs(info: TensorInfo, layout: FusedLayout | None, experts: in
             for out in (OutputTensor(name, FP8_DTYPE, shape),
                         OutputTensor(f"{name.removesuffix('.weight')}.{fmt.scale_suffix(scheme)}",
                                      fmt.scale_dtype(info.dtype), fmt.scale_shape(scheme, shape)))]
+
+
+def _check_output_names(items: list[WorkItem], checkpoint: Checkpoint) -> None:
+    """Every output tensor has its own name. A kept SRC tensor named like a scale this run writes (a
+    leftover `weight_scale` in a bf16 checkpoint) would otherwise be written twice into one shard."""
+    owner: dict[str, WorkItem] = {}
+    for item in items:
+        for output in item.outputs:
+            if output.name in owner:
+                kept = output.name if output.name in checkpoint.tensors else owner[output.name].sources[0]
+                weight = next(s for s in (owner[output.name], item) if s.quantize).sources
+                raise UserError(f"SRC tensor '{kept}' has the name of the scale this run writes for "
+                                f"'{weight[0]}', but SRC is not quantized there; it is a leftover of another "
+                                "tool: remove it from SRC (or restore the quantization_config it belongs to).")
+            owner[output.name] = item
 
 
 def _check_group_dtypes(infos: list[TensorInfo]) -> None:

@@ -24,13 +24,10 @@ from quantize_moe.errors import UserError
 from quantize_moe.source.hub import HubSource
 from quantize_moe.check.inventory import Inventory, take_inventory
 from quantize_moe.write.manifest import Manifest
-from quantize_moe.write.destination import write_text
+from quantize_moe.write.destination import CARD_NAME, RUN_RECORD, VALIDATION_REPORT, write_text
 from quantize_moe.plan.options import Options
 
-RUN_RECORD = "quantize_moe_run.json"
 LOCAL_SOURCE = "SRC"
-VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json-out DST/validation.json`
-CARD_NAME = "README.md"
 CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
 SERVING = {
@@ -85,6 +82,8 @@ def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Option
         "base_model": origin.repo_id if origin else None,
         "base_revision": origin.revision if origin else None,
         "options": dataclasses.asdict(options),
+        "requantized_from": (checkpoint.raw_config.get("quantization_config") or {}).get("quant_method")
+        if options.requantize else None,
         # a local folder's path means nothing to a reader of the card: SRC stands for it
         "command": reproduce_command(origin.repo_id if origin else LOCAL_SOURCE, dst, options),
         "source_card": {k: metadata[k] for k in CARRIED_OVER if metadata.get(k)},
@@ -162,6 +161,9 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
                          library_name="transformers",
                          tags=["fp8", "moe", "quantized", "quantize-moe", checkpoint.raw_config["model_type"]],
                          **{"pipeline_tag": "text-generation", **record["source_card"]})
+    requantized = (f"\n**Requantized** (`--requantize`): the source was already quantized "
+                   f"({record['requantized_from']}); its weights were dequantized and rounded to FP8 again, so "
+                   "they carry two roundings.\n") if record.get("requantized_from") else ""
     origin = (f"[{base}](https://huggingface.co/{base})" + (f" at `{record['base_revision']}`"
               if record["base_revision"] else "")) if base else "a local checkpoint"
     stored = sum(i.nbytes for i in checkpoint.tensors.values())
@@ -173,7 +175,7 @@ def build_card(dst: Path, repo_id: str | None = None) -> ModelCard:
 FP8 (float8_e4m3fn) weights of {origin}, {inventory.family.name} family, made with {record['tool']}.
 Routed experts and other Linear layers are FP8; what must stay in high precision for
 accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size on disk: {human_bytes(stored)}.
-
+{requantized}
 ## What is quantized and what is kept
 
 {_contents_table(inventory)}

@@ -115,10 +115,12 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
     """What a checkpoint's `quantization_config` says about its experts: the layer's quant spec (weights
     and input activations: dynamic per token, tensor or group, or static per tensor) and the suffix of
     the scale tensors (None for an unquantized checkpoint). Reads our own output and the formats other
-    tools write (AutoFP8, llm-compressor, DeepSeek block FP8)."""
+    tools write (AutoFP8, llm-compressor, DeepSeek block FP8); every field it reads is checked for its
+    type, so a damaged config is a sentence naming the field."""
     qc = raw_config.get("quantization_config")
     if qc is None:
         return UNQUANTIZED, None
+    qc = _object(qc, "quantization_config", where)
     method = qc.get("quant_method")
     if method == "mxfp4":
         raise UserError(f"{where} says the checkpoint is MXFP4 (the gpt-oss release format), which "
@@ -130,29 +132,49 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
         if scheme not in ("dynamic", "static"):
             raise UserError(f"{where} has activation_scheme {scheme!r}; native fp8 activations are 'dynamic' "
                             "or 'static'.")
-        if block:
-            return _spec(where, "block", "static" if scheme == "static" else "group", tuple(block)), \
-                "weight_scale_inv"
+        if block is not None:
+            return _spec(where, "block", "static" if scheme == "static" else "group",
+                         _block(block, "weight_block_size", where)), "weight_scale_inv"
         spec = SCHEMES["tensor"].moe_spec
         return (_spec(where, "tensor", "static") if scheme == "static" else spec), "weight_scale"
     if method == "compressed-tensors":
-        group = next(iter(qc.get("config_groups", {}).values()), {})
-        weights = group.get("weights") or {}
+        groups = _object(qc.get("config_groups", {}), "quantization_config.config_groups", where)
+        group = _object(next(iter(groups.values()), {}), "quantization_config.config_groups entry", where)
+        weights = _object(group.get("weights") or {}, "quantization_config.config_groups weights", where)
         strategy = weights.get("strategy")
         if strategy in ("tensor", "channel", "block"):
-            block = tuple(weights.get("block_structure") or (128, 128)) if strategy == "block" else None
+            block = _block(weights.get("block_structure") or [128, 128], "block_structure", where) \
+                if strategy == "block" else None
             activations = group.get("input_activations")
             if not activations:  # weight-only: engines still quantize the activations of FP8 GEMMs dynamically
                 return SCHEMES[strategy].moe_spec if block is None else _spec(where, "block", "group", block), \
                     "weight_scale"
+            activations = _object(activations, "quantization_config.config_groups input_activations", where)
             key = (activations.get("dynamic") is not False, activations.get("strategy"))
             if key not in _COMPRESSED_ACTIVATIONS:
                 raise UserError(f"{where} declares {'dynamic' if key[0] else 'static'} input activations with "
                                 f"strategy {key[1]!r}, which quantize-moe cannot run; it reads dynamic token, "
                                 "tensor or group activations and static tensor ones.")
             return _spec(where, strategy, _COMPRESSED_ACTIVATIONS[key], block), "weight_scale"
-    raise UserError(f"{where} has a quantization_config (quant_method {method!r}) that quantize-moe "
-                    "cannot read; it reads fp8 and compressed-tensors FP8 checkpoints.")
+    raise UserError(f"{where} says the checkpoint is already quantized ({method}), in a format quantize-moe "
+                    "cannot dequantize (it reads fp8 and compressed-tensors FP8 only); point SRC at the "
+                    "bf16/fp16/fp32 original.")
+
+
+def _object(value, field: str, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise UserError(f"{where} has a {field} that is {type(value).__name__} {value!r:.60}, not an object; "
+                        "restore the original config.json.")
+    return value
+
+
+def _block(value, field: str, where: str) -> tuple[int, int]:
+    """A block shape [rows, columns] of positive whole numbers."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+        raise UserError(f"{where} has quantization_config {field} {value!r:.60}, which is not two positive whole "
+                        "numbers such as [128, 128]; restore the original config.json.")
+    return tuple(value)
 
 
 def _spec(where: str, weight: str, activation: str, block: tuple[int, int] | None = None) -> MoEQuantSpec:

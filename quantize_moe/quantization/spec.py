@@ -56,6 +56,17 @@ class MoEQuantSpec:
 UNQUANTIZED = MoEQuantSpec()
 
 
+def scale_count(spec: MoEQuantSpec, shape: tuple[int, ...]) -> int:
+    """How many scale values one [N, K] weight has under `spec`: 1, N, or one per block."""
+    rows, cols = (1, *shape)[-2:]
+    if spec.weight == "tensor":
+        return 1
+    if spec.weight == "channel":
+        return rows
+    block_n, block_k = spec.block_shape
+    return -(-rows // block_n) * -(-cols // block_k)
+
+
 def expand_weight_scale(scale: torch.Tensor, spec: MoEQuantSpec, shape: torch.Size) -> torch.Tensor:
     """A weight scale of any scheme, shaped to broadcast against stacked weights [E, N, K]:
     per-tensor [E] -> [E, 1, 1]; per-channel [E, N] (or [E, N, 1]) -> [E, N, 1]; block scales are

@@ -95,8 +95,10 @@ class Checkpoint:
 
     def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False):
         self.folder = Path(folder)
+        if not self.folder.exists():
+            raise UserError(f"There is no folder named '{self.folder}'; check the path of the checkpoint.")
         if not self.folder.is_dir():
-            raise UserError(f"Checkpoint folder '{self.folder}' does not exist or is not a folder.")
+            raise UserError(f"'{self.folder}' is a file, not a checkpoint folder; name the folder that holds it.")
         self.index_name, shards = self._shard_map(allow_pickle)
         self._handles: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = self._read_headers(shards)
@@ -170,6 +172,7 @@ class Checkpoint:
             if not path.is_file():
                 raise UserError(f"The index names shard '{file}', which is missing from '{self.folder}'; "
                                 "download the missing shard.")
+            _check_readable(path)
             found = _safetensors_header(path) if path.suffix == ".safetensors" else self._pickle_header(file)
             for name, (dtype, shape) in found.items():
                 if name in tensors:
@@ -264,6 +267,15 @@ def read_json_object(folder: Path, relative: str, fix: str) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"'{path}' does not hold a JSON object; {fix}.")
     return data
+
+
+def _check_readable(path: Path) -> None:
+    """A shard we may not read is named as such (safetensors would report it as missing)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except PermissionError:
+        raise UserError(f"Shard '{path}' cannot be read (permission denied); make it readable, e.g. "
+                        "chmod a+r, or run as a user who may read it.") from None
 
 
 def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

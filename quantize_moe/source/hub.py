@@ -39,10 +39,13 @@ class HubSource:
 
 
 def parse_source(text: str) -> Path | HubSource:
-    """A local folder when one exists at `text`, else a Hub repo id `org/name[@revision]`."""
+    """A local folder when one exists at `text`, else a Hub repo id `org/name[@revision]`. A repo id starts
+    with a letter or digit and has one `/`; a text that does not (`./models/x`, `/data/x`, `a/b/c`) or
+    whose `org` is a local folder (`models/mixtrl` beside `models/`) is a local path, so a typo in it
+    says there is no such folder instead of asking the Hub."""
     path = Path(text)
     match = _REPO_ID.match(text)
-    if path.exists() or match is None:
+    if path.exists() or match is None or Path(match["repo"].split("/")[0]).is_dir():
         return path
     return HubSource(match["repo"], match["revision"])
 
@@ -53,8 +56,8 @@ def hub_errors(source: HubSource):
     try:
         yield
     except (OfflineModeIsEnabled, LocalEntryNotFoundError):
-        raise UserError(f"'{source}' is not (completely) in the Hugging Face cache '{constants.HF_HUB_CACHE}' "
-                        "and the Hub cannot be reached (HF_HUB_OFFLINE or no network); download it once "
+        raise UserError(f"'{source}' is neither a local folder nor (completely) in the Hugging Face cache "
+                        f"'{constants.HF_HUB_CACHE}', and the Hub cannot be reached (HF_HUB_OFFLINE or no network); download it once "
                         "with network access.") from None
     except GatedRepoError:
         raise UserError(f"'{source.repo_id}' is gated: accept its conditions on the Hub, then set HF_TOKEN "

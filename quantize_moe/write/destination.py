@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
@@ -22,6 +24,13 @@ from quantize_moe.errors import UsageError, UserError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
 PARTIAL_SUFFIX = ".partial"
 MANIFEST_NAME = "quantize-moe-manifest.json"
+RUN_RECORD = "quantize_moe_run.json"
+CARD_NAME = "README.md"
+VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json-out DST/validation.json`
+# What a run of ours adds beside the checkpoint: when SRC is such an output (a round trip through
+# dequantize, or --requantize), these describe the old output and the new run writes its own.
+RUN_FILES = (MANIFEST_NAME, RUN_RECORD, CARD_NAME, VALIDATION_REPORT)
+OUTPUT_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # the shard names this tool writes
 
 
 def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) -> None:
@@ -57,10 +66,26 @@ def replaced_files(dst: Path, *, overwrite: bool) -> list[Path]:
     if not dst.is_dir():
         return []
     stale = list(dst.rglob(f"*{PARTIAL_SUFFIX}"))
-    if overwrite:
-        stale += [dst / n for n in (INDEX_NAME, CONFIG_NAME, MANIFEST_NAME) if (dst / n).is_file()]
-        stale += list(dst.glob("*.safetensors"))
+    if overwrite:  # only what is ours: named as we name output files, or listed by our manifest
+        ours = {n for n in os.listdir(dst) if n in (INDEX_NAME, CONFIG_NAME, MANIFEST_NAME) or OUTPUT_SHARD.fullmatch(n)}
+        stale += [dst / n for n in sorted(ours | set(_listed_in_manifest(dst))) if (dst / n).is_file()]
     return stale
+
+
+def _listed_in_manifest(dst: Path) -> list[str]:
+    """The files an earlier run's manifest in DST lists, those really inside DST; none when it is unreadable
+    (it is replaced anyway)."""
+    try:
+        files = json.loads((dst / MANIFEST_NAME).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    listed = []
+    for name in files if isinstance(files, dict) else []:
+        try:
+            listed.append(inside(dst, name, f"'{dst / MANIFEST_NAME}'").relative_to(dst).as_posix())
+        except (UserError, TypeError):
+            continue
+    return listed
 
 
 def check_free_space(dst: Path, needed: int, freed: int) -> None:
@@ -81,8 +106,16 @@ def prepare_destination(dst: Path, *, overwrite: bool) -> None:
 
 
 def _atomic(path: Path, write) -> None:
+    """`write(tmp)` then rename to `path`; a failing write (a full disk, say) leaves no temporary behind
+    and is named by the file it was for."""
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    write(tmp)
+    try:
+        write(tmp)
+    except (OSError, SafetensorError) as error:
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+        raise OSError(None, f"writing failed ({error})", str(path)) from None
     os.replace(tmp, path)
 
 
@@ -111,11 +144,13 @@ def write_json(path: Path, data: dict) -> None:
 
 def extra_files(checkpoint: Checkpoint) -> list[str]:
     """Every non-weight file of SRC (tokenizer, generation config, license, ...), relative to it; each
-    is checked to really live in the checkpoint folder."""
+    is checked to really live in the checkpoint folder. When SRC is an output of ours, its `RUN_FILES`
+    are left out: they describe that output, not the one being written."""
     extras = []
+    ours = RUN_FILES if (checkpoint.folder / MANIFEST_NAME).is_file() else ()
     for path in sorted(checkpoint.folder.rglob("*")):
         relative = path.relative_to(checkpoint.folder)
-        if (path.is_dir() or any(part.startswith(".") for part in relative.parts)
+        if (path.is_dir() or any(part.startswith(".") for part in relative.parts) or relative.as_posix() in ours
                 or relative.as_posix() in checkpoint.weight_files or relative.as_posix() == CONFIG_NAME
                 or path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json")):
             continue

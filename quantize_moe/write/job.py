@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantize_moe.write import pipeline
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
-from quantize_moe.console import byte_progress
+from quantize_moe.console import byte_progress, console
 from quantize_moe.write.manifest import Manifest, run_fingerprint, source_records
 from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,
                                  prepare_destination, replaced_files, write_json)
@@ -61,6 +61,10 @@ def quantize_checkpoint(src: str | Path | Checkpoint, dst: str | Path, options: 
     src, dst = checkpoint.folder, Path(dst)
     plan = make_plan(checkpoint, options)
     plan.check_loadable()
+    plan.check_requantize()
+    if plan.source.quantized:
+        console.print(f"[yellow]warning:[/] '{src}' is already quantized: its weights are dequantized and rounded "
+                      "to FP8 again (--requantize), so they carry two roundings; the model card says so.")
     extras = extra_files(checkpoint)
     check_destination(src, dst, overwrite=overwrite, resume=resume)
     manifest = Manifest.for_run(dst, run_fingerprint(plan), resume, source_records(checkpoint))

@@ -155,7 +155,7 @@ class ShardFile:
         self.tensor_sha256: dict[str, bytes] = {}
         self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            write_all_at(self.fd, 0, header)
+            self._put(self.fd, 0, header)
             allocate(self.fd, len(header) + sum(t.nbytes for t in tensors), self.partial)
             self.offsets = data_offsets(self.partial, {t.name: t.nbytes for t in tensors})
             self.direct_fd = _open_direct(self.partial)
@@ -197,11 +197,11 @@ class ShardFile:
         lined_up = (self.direct and count >= DIRECT_MIN_BYTES and body > 0
                     and (data.data_ptr() + head) % DIRECT_ALIGNMENT == 0)
         if lined_up and self._write_direct(offset + head, view[head:head + body]):
-            write_all_at(self.fd, offset, view[:head])
-            write_all_at(self.fd, offset + head + body, view[head + body:])
+            self._put(self.fd, offset, view[:head])
+            self._put(self.fd, offset + head + body, view[head + body:])
             yield
             return
-        write_all_at(self.fd, offset, view)
+        self._put(self.fd, offset, view)
         with written_behind(self.fd, offset, count):
             yield
 
@@ -210,13 +210,22 @@ class ShardFile:
         where the file system opened the file for that but refuses the write (EINVAL: it wants larger
         alignment, say)."""
         try:
-            write_all_at(self.direct_fd, offset, view)
+            self._put(self.direct_fd, offset, view)
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
             self.direct = False  # the descriptor stays open until finish: another worker may be using it
             return False
         return True
+
+    def _put(self, fd: int, offset: int, view: memoryview | bytes) -> None:
+        """`write_all_at`, a failing write (a full disk, say) named by the shard it was for."""
+        try:
+            write_all_at(fd, offset, view)
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            raise OSError(error.errno, error.strerror, str(self.path)) from None
 
     def tensor_sha256s(self) -> list[bytes]:
         """The sha256 of every tensor, in file order (all of them must have been written)."""
