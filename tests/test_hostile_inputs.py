@@ -238,3 +238,21 @@ def test_a_mistyped_local_path_says_there_is_no_such_folder(tmp_path, monkeypatc
     for command in (("quantize", path, "dst", "--no-progress"), ("inspect", path)):
         text = assert_refused(run_cli(*command), f"There is no folder named '{Path(path)}'")
         assert "Hub" not in text
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused_everywhere(mixtral_src, fp8_out, tmp_path):  # noqa: F811
+    edit_config(fp8_out, lambda c: c.pop("quantization_config"))
+    for command in (("dequantize", fp8_out, tmp_path / "deq"),
+                    ("validate", mixtral_src, fp8_out, "--no-progress", "--device", "cpu")):
+        assert_refused(run_cli(*command), "torch.float8_e4m3fn", "has no quantization_config")
+    assert not (tmp_path / "deq").exists()
+
+
+@pytest.mark.parametrize("link", ["dangling", "outside"])
+def test_every_file_read_or_copied_follows_one_link_rule(src, tmp_path, link):
+    target = tmp_path / ("gone.json" if link == "dangling" else "secret.json")
+    if link == "outside":
+        target.write_text("{}")
+    (src / "tokenizer_config.json").symlink_to(target)
+    refused_before_writing(src, tmp_path / "dst", "tokenizer_config.json",
+                           "loops or leads nowhere" if link == "dangling" else "links outside")

@@ -22,6 +22,31 @@ from quantize_moe.quantization.spec import expand_weight_scale, scale_count
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
+def check_weights_match_config(checkpoint: Checkpoint, quantized: bool, where: str) -> None:
+    """FP8 tensors without a quantization_config, a quantization_config over weights none of which is
+    FP8, or a scale beside a weight that is not FP8, mean the config and the tensors come from different
+    saves: reading on would drop the scales (or apply them to weights they do not belong to)."""
+    tensors = checkpoint.tensors
+    if not quantized:
+        fp8 = next((info for info in tensors.values() if info.dtype == FP8_DTYPE), None)
+        if fp8 is not None:
+            raise UserError(f"Tensor '{fp8.name}' is {fp8.dtype} but {where} has no quantization_config, so "
+                            "its scale is unknown; restore the config.json of the quantized checkpoint, or point "
+                            "SRC at an unquantized one.")
+        return
+    method = checkpoint.raw_config["quantization_config"].get("quant_method")
+    if not any(info.dtype == FP8_DTYPE for info in tensors.values()):
+        raise UserError(f"{where} has a quantization_config ({method}) but no tensor of the checkpoint is FP8; "
+                        "the config and the weights come from different saves: remove quantization_config "
+                        "for a bf16 checkpoint, or restore the FP8 weights.")
+    for name in (n for n in tensors if n.endswith(SCALE_SUFFIXES)):
+        stem = name[:-len(next(s for s in SCALE_SUFFIXES if name.endswith(s)))]
+        owner = stem[:-1] + ".weight" if stem.endswith(".") else stem[:-1]
+        if owner in tensors and tensors[owner].dtype != FP8_DTYPE:
+            raise UserError(f"Tensor '{owner}' is {tensors[owner].dtype} but has the FP8 scale '{name}'; the "
+                            "checkpoint mixes quantized and unquantized saves, so restore a consistent one.")
+
+
 class SourceReader:
     """The tensors of a checkpoint, FP8 weights dequantized to `dtype` (float32 when they are to be
     requantized, so no bf16 rounding sits between the two); scale tensors are metadata of the
@@ -34,26 +59,7 @@ class SourceReader:
         self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         config = parse_config(checkpoint.raw_config, self.family, where, checkpoint.tensors)
         self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(config)}
-        self._check_weights_match_config(where)
-
-    def _check_weights_match_config(self, where: str) -> None:
-        """A quantization_config over weights none of which is FP8, or a scale beside a weight that is not
-        FP8, means the config and the tensors come from different saves: reading on would drop the scales
-        (or apply them to weights they do not belong to)."""
-        if not self.quantized:
-            return
-        tensors = self.checkpoint.tensors
-        method = self.checkpoint.raw_config["quantization_config"].get("quant_method")
-        if not any(info.dtype == FP8_DTYPE for info in tensors.values()):
-            raise UserError(f"{where} has a quantization_config ({method}) but no tensor of the checkpoint is FP8; "
-                            "the config and the weights come from different saves: remove quantization_config "
-                            "for a bf16 checkpoint, or restore the FP8 weights.")
-        for name in filter(self.is_scale, tensors):
-            stem = name[:-len(next(s for s in SCALE_SUFFIXES if name.endswith(s)))]
-            owner = stem[:-1] + ".weight" if stem.endswith(".") else stem[:-1]
-            if owner in tensors and tensors[owner].dtype != FP8_DTYPE:
-                raise UserError(f"Tensor '{owner}' is {tensors[owner].dtype} but has the FP8 scale '{name}'; the "
-                                "checkpoint mixes quantized and unquantized saves, so restore a consistent one.")
+        check_weights_match_config(checkpoint, self.quantized, where)
 
     @property
     def quantized(self) -> bool:

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
+from quantize_moe.adapters.reader import check_weights_match_config
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import INPUT_SCALE, read_quantization
@@ -47,6 +48,7 @@ class MoECheckpoint:
         family = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
         spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
+        check_weights_match_config(checkpoint, scale_suffix is not None, where)
         experts: dict[int, list] = defaultdict(list)
         fused: dict[int, list] = defaultdict(list)
         for name, info in checkpoint.tensors.items():
