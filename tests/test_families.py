@@ -105,7 +105,9 @@ def test_mtp_layer_kept_in_high_precision_and_listed(model_type, tmp_path):
 def test_block_fp8_source_requantized_and_dequantized(tmp_path):
     src = to_block_fp8(build_tiny_checkpoint("deepseek_v3", tmp_path / "bf16"), tmp_path / "block", (32, 32))
     dst = tmp_path / "fp8"
-    quantize_checkpoint(src, dst, show_progress=False)
+    with pytest.raises(UserError, match="--requantize"):
+        quantize_checkpoint(src, dst, show_progress=False)
+    quantize_checkpoint(src, dst, Options(requantize=True), show_progress=False)
     out = Checkpoint(dst)
     assert not any(name.endswith("weight_scale_inv") for name in out.tensors)
     assert json.loads((dst / "config.json").read_text())["quantization_config"].get("weight_block_size") is None

@@ -211,7 +211,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
 
 def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
     """Refuse a SRC already quantized the way it is asked for: there is nothing to do."""
-    if "quantization_config" not in raw:
+    if raw.get("quantization_config") is None:
         return
     method = raw["quantization_config"].get("quant_method")
     scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
