@@ -256,3 +256,23 @@ def test_every_file_read_or_copied_follows_one_link_rule(src, tmp_path, link):
     (src / "tokenizer_config.json").symlink_to(target)
     refused_before_writing(src, tmp_path / "dst", "tokenizer_config.json",
                            "loops or leads nowhere" if link == "dangling" else "links outside")
+
+
+@pytest.mark.parametrize("qc", ["fp8", {"quant_method": "fp8", "weight_block_size": [0, 128]},
+                                {"quant_method": "compressed-tensors", "config_groups": {"group_0": 5}}],
+                         ids=["string", "zero block", "group not an object"])
+def test_verify_reports_a_damaged_quantization_config_as_a_finding(fp8_out, qc):
+    edit_config(fp8_out, lambda c: c.update(quantization_config=qc))
+    result = run_cli("verify", fp8_out, "--json")
+    assert result.exit_code == 3, result.output
+    report = json.loads(result.output)
+    assert any(f["check"] == "metadata" and "quantization_config" in f["message"] for f in report["findings"])
+
+
+def test_a_block_checkpoint_without_its_block_size_is_one_sentence(tmp_path):
+    from quantize_moe.source.tiny import build_tiny_checkpoint, to_block_fp8
+
+    block = to_block_fp8(build_tiny_checkpoint("deepseek_v3", tmp_path / "bf16"), tmp_path / "block", (32, 32))
+    edit_config(block, lambda c: c["quantization_config"].pop("weight_block_size"))
+    assert_refused(run_cli("dequantize", block, tmp_path / "deq"), "weight_scale' is missing")
+    assert not (tmp_path / "deq" / CONFIG_NAME).exists()

@@ -12,6 +12,7 @@ from quantize_moe.adapters.base import (ConfigFieldError, Kind, MoELayerInfo, Pe
 from quantize_moe.adapters.families import FAMILIES
 from quantize_moe.adapters.generic import GENERIC, GenericFamily, NoExpertPattern, detect
 from quantize_moe.errors import UsageError, UserError
+from quantize_moe.quantization.formats import read_quantization
 
 __all__ = ["ADAPTERS", "Kind", "MoELayerInfo", "PerExpertFamily", "TensorRole", "adapter_for", "is_known",
            "parse_config", "supported_model_types"]
@@ -66,6 +67,7 @@ def parse_config(raw_config: dict, family: PerExpertFamily, where: str, tensor_n
     else:
         model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
         config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
+    read_quantization(raw_config, where)  # first: transformers' config classes crash on a damaged one
     # transformers writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit)
     fields = config_class._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
     try:
