@@ -276,3 +276,9 @@ def test_a_block_checkpoint_without_its_block_size_is_one_sentence(tmp_path):
     edit_config(block, lambda c: c["quantization_config"].pop("weight_block_size"))
     assert_refused(run_cli("dequantize", block, tmp_path / "deq"), "weight_scale' is missing")
     assert not (tmp_path / "deq" / CONFIG_NAME).exists()
+
+
+def test_the_generic_adapter_reads_counts_through_the_same_typed_access(src, tmp_path):
+    edit_config(src, lambda c: c.update(model_type="my_moe", num_experts_per_tok="2"))
+    refused_before_writing(src, tmp_path / "dst", CONFIG_NAME, "field 'num_experts_per_tok' is '2'",
+                           args=(*ARGS, "--adapter", "generic"))

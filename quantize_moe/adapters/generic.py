@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PretrainedConfig
 
-from quantize_moe.adapters.base import MoELayerInfo, PerExpertFamily
+from quantize_moe.adapters.base import ConfigFieldError, MoELayerInfo, PerExpertFamily, config_int
 from quantize_moe.errors import UserError
 from quantize_moe.moe.routing import RoutingRule
 
@@ -156,27 +156,24 @@ def _block_siblings(shapes: dict[str, tuple[int, ...]], block: str, num_experts:
     return routers[0], kept
 
 
-def _raw_value(raw: dict, key: str, layer: int):
-    """The value of a dotted key; a per-layer list gives the layer's entry."""
-    value = raw
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value[layer] if isinstance(value, list) and layer < len(value) else value
-
-
 def _check_config(raw: dict, where: str, layer: int, num_experts: int, width: int, hidden: int) -> int | None:
-    """Every config value present must agree with the tensors; returns the layer's top-k (None if absent)."""
-    width_key = next((k for k in EXPERT_WIDTH_KEYS if _raw_value(raw, k, layer) is not None), None)
+    """Every config value present must agree with the tensors; returns the layer's top-k (None if absent).
+    Values are read as whole numbers through `config_int`, so one of the wrong type is named as such."""
+    try:
+        values = {k: config_int(raw, k, layer=layer) for k in (*NUM_EXPERTS_KEYS, *EXPERT_WIDTH_KEYS, *TOP_K_KEYS,
+                                                                  "hidden_size")}
+    except ConfigFieldError as e:
+        raise UserError(f"{where} {e}; restore the original config.json.") from None
+    width_key = next((k for k in EXPERT_WIDTH_KEYS if values[k] is not None), None)
     expected = [(k, num_experts, "experts") for k in NUM_EXPERTS_KEYS] + [("hidden_size", hidden, "hidden size")]
     expected += [(width_key, width, "expert width")] if width_key else []
     for key, found, what in expected:
-        value = _raw_value(raw, key, layer)
-        if value is not None and value != found:
-            raise UserError(f"{where} has {key} {value}, but the expert tensors of layer {layer} show {what} "
+        if values[key] is not None and values[key] != found:
+            raise UserError(f"{where} has {key} {values[key]}, but the expert tensors of layer {layer} show {what} "
                             f"{found}; the config does not belong to these weights.")
-    key = next((k for k in TOP_K_KEYS if _raw_value(raw, k, layer) is not None), None)
-    top_k = _raw_value(raw, key, layer) if key else None
-    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= num_experts):
+    key = next((k for k in TOP_K_KEYS if values[k] is not None), None)
+    top_k = values[key] if key else None
+    if top_k is not None and not 1 <= top_k <= num_experts:
         raise UserError(f"{where} has {key} {top_k}, but layer {layer} has {num_experts} experts; "
                         "the config does not belong to these weights.")
     return top_k
