@@ -89,9 +89,14 @@ class SourceReader:
     def weight_scale(self, name: str) -> torch.Tensor:
         """The float32 scale of the (unfused) FP8 weight `name`, broadcastable to it whatever the scheme."""
         shape = self.checkpoint.tensors[name].shape
-        scale = self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}", scale_count(self.spec, shape))
+        scale = self.stored_scale(name)
         return expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
                                    self.spec, (1, *shape))[0]
+
+    def stored_scale(self, name: str) -> torch.Tensor:
+        """The float32 scale of the (unfused) FP8 weight `name` as stored: scalar, per row or block grid."""
+        count = scale_count(self.spec, self.checkpoint.tensors[name].shape)
+        return self._scale(name, f"{name.removesuffix('.weight')}.{self.scale_suffix}", count)
 
     def _fused(self, name: str, q: torch.Tensor, layout: FusedLayout, num_experts: int) -> torch.Tensor:
         """Per-tensor scales `[E]` or `[E, shards]` of a tensor holding every expert."""

@@ -152,8 +152,10 @@ def dequantize(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale).to(dtype)
 
 
-def rounding_bound(original: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def rounding_bound(original: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Elementwise worst-case |dequantize(quantize(w)) - w| for e4m3, with `scale` broadcastable to
     `original`: half an ulp of 3 mantissa bits (2^-4 relative) for normal numbers, half the smallest
-    subnormal (2^-10 * scale) below, plus float32 slack for the division."""
-    return torch.maximum(original.float().abs() * 2.0**-4, scale * 2.0**-10) * (1 + 2.0**-20)
+    subnormal (2^-10 * scale) below, plus float32 slack for the division. Into the float32 `out` when
+    given (a check walking a model in blocks reuses one buffer instead of faulting in new pages)."""
+    bound = torch.abs(original, out=out) if out is not None else original.float().abs()
+    return torch.maximum(bound.mul_(2.0**-4), scale * 2.0**-10, out=bound).mul_(1 + 2.0**-20)
