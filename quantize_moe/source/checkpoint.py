@@ -1,8 +1,9 @@
 """Lazy, read-only access to a safetensors checkpoint folder.
 
-Only headers are read when the checkpoint is opened; tensor data is memory-mapped
-by safetensors when a tensor is asked for, so a checkpoint far larger than RAM can
-be walked one small group of tensors at a time. Everything on disk is untrusted:
+Only headers are read when the checkpoint is opened; a tensor's bytes are read by
+range (`pread`) when it is asked for, never a whole shard mapped, so a checkpoint far
+larger than RAM, with shards of any size, can be walked one small group of tensors at
+a time. Everything on disk is untrusted:
 every inconsistency between index, headers and file sizes is a `UserError` at open.
 Pickle checkpoints are read only when the user allows it, and then weights-only.
 """
@@ -23,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from quantize_moe.errors import UserError
+from quantize_moe.source.tensor_bytes import HEADER_FRAMEWORK, SAFETENSORS_DTYPES, data_offsets, read_into
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -30,16 +32,6 @@ PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
 SHARD_NAME = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")  # save_pretrained's shards
-OPEN_SHARDS = 2  # safetensors shards kept mapped: a walk over a large checkpoint releases the rest
-
-# safetensors dtype strings as reported by get_slice().get_dtype()
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -100,7 +92,8 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise UserError(f"'{self.folder}' is a file, not a checkpoint folder; name the folder that holds it.")
         self.index_name, shards = self._shard_map(allow_pickle)
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, dict[str, torch.Tensor]] = {}  # pickle shard -> its loaded tensors
+        self._offsets: dict[str, dict[str, int]] = {}  # safetensors shard -> where each tensor starts
         self.tensors: dict[str, TensorInfo] = self._read_headers(shards)
 
     @cached_property
@@ -222,16 +215,24 @@ class Checkpoint:
         return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, memory-mapped: its bytes are read when first touched."""
+        """The tensor, read by range into memory of its own (pickle shards: from the loaded dict)."""
         info = self.tensors[name]
-        handle = self._handles.pop(info.file, None)
-        if handle is None:
-            handle = safe_open(self.shard_path(info.file), framework="pt")
-            mapped = [f for f, h in self._handles.items() if not isinstance(h, dict)]
-            for file in mapped[:max(0, len(mapped) - OPEN_SHARDS + 1)]:  # least recently used first
-                del self._handles[file]
-        self._handles[info.file] = handle
-        return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
+        if info.file in self._handles:
+            return self._handles[info.file][name]
+        path = self.shard_path(info.file)
+        if info.file not in self._offsets:
+            self._offsets[info.file] = data_offsets(path, {t.name: t.nbytes for t in self.tensors.values()
+                                                           if t.file == info.file})
+        try:
+            tensor = torch.empty(info.shape, dtype=info.dtype)
+        except RuntimeError:  # the allocator refused: more than the machine holds
+            raise UserError(f"Tensor '{name}' in '{path}' is {info.nbytes / 1e9:.1f} GB, more than this machine "
+                            "can hold in memory; run on a machine with more memory, or check that the shard "
+                            "is not damaged.") from None
+        if tensor.numel():
+            with open(path, "rb", buffering=0) as f:
+                read_into(f.fileno(), self._offsets[info.file][name], tensor)
+        return tensor
 
     def shard_path(self, file: str) -> Path:
         """Where the bytes of shard `file` are read from."""
@@ -281,7 +282,7 @@ def _check_readable(path: Path) -> None:
 def _safetensors_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Dtype and shape of every tensor in a safetensors shard, from its header alone."""
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework=HEADER_FRAMEWORK) as f:
             found = {}
             for name in f.keys():
                 sl = f.get_slice(name)
