@@ -1,5 +1,6 @@
 """`quantize-moe dequantize`: an FP8 checkpoint written back in bf16, shard by shard, without scales
-or `quantization_config` (the way to requantize a checkpoint that is already FP8)."""
+or `quantization_config` (the way to requantize a checkpoint that is already FP8). Each shard is laid
+out first and filled one tensor at a time (`ShardFile`), so memory holds one tensor, not a shard."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from pathlib import Path
 import torch
 
 from quantize_moe.adapters.reader import SourceReader
+from quantize_moe.plan.plan import OutputTensor
+from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.errors import UserError
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from quantize_moe.write.destination import (check_destination, copy_extra_files, extra_files, prepare_destination,
-                                            write_json, write_shard)
+                                            write_json)
+from quantize_moe.write.shard_file import ShardFile
 
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16, *,
@@ -29,11 +33,20 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
     weight_map, total = {}, 0
     names = set(reader.names)
     for file in checkpoint.shard_files:
-        tensors = {name: reader.get(name) for name, info in checkpoint.tensors.items()
-                   if info.file == file and name in names}
-        total += sum(t.nbytes for t in tensors.values())
-        write_shard(dst / file, tensors)
-        weight_map.update(dict.fromkeys(tensors, file))
+        outputs = [OutputTensor(name, dtype if info.dtype == FP8_DTYPE else info.dtype, info.shape)
+                   for name, info in checkpoint.tensors.items() if info.file == file and name in names]
+        if not outputs:  # a shard of scales only: nothing of it is left
+            continue
+        shard = ShardFile(dst / file, outputs)
+        try:
+            for output in outputs:
+                shard.write(output.name, reader.get(output.name).contiguous())
+        except BaseException:
+            shard.abort()
+            raise
+        shard.finish()
+        total += sum(output.nbytes for output in outputs)
+        weight_map.update(dict.fromkeys((output.name for output in outputs), file))
     copy_extra_files(checkpoint, dst, extras)
     if (src / INDEX_NAME).exists():
         write_json(dst / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
