@@ -74,11 +74,14 @@ class MoECheckpoint:
 
     def load_experts(self, layer: int, experts: range, device: str | torch.device = "cpu",
                      params_dtype: torch.dtype = torch.bfloat16) -> FusedMoE:
-        """A `FusedMoE` of the layer's experts in `experts` only (renumbered from 0); static input scales
-        are reduced over these experts, so only a whole layer carries the scales an engine would use."""
+        """A `FusedMoE` of the layer's experts in `experts` only (renumbered from 0), its parameters made
+        on `device` and filled there one checkpoint tensor at a time (no host copy of the layer); static
+        input scales are reduced over these experts, so only a whole layer carries the scales an engine
+        would use."""
         info = self.layers[layer]
-        moe = FusedMoE(len(experts), info.hidden_size, info.expert_width, method_for_spec(self.spec),
-                       params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
+        with torch.device(device):
+            moe = FusedMoE(len(experts), info.hidden_size, info.expert_width, method_for_spec(self.spec),
+                           params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
         params = dict(moe.named_parameters())
         for module, expert, shard_id in self.experts.get(layer, []):
             if expert not in experts:

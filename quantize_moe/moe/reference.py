@@ -150,11 +150,13 @@ def fused_experts_reference(
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     fake_quant = quant.is_fp8 and quantize_activations
-    if weights_dequantized:
-        w13_full, w2_full = w13.to(compute_dtype), w2.to(compute_dtype)
-    else:
-        w13_full = dequantize_weight(w13, w13_scale, quant, compute_dtype)
-        w2_full = dequantize_weight(w2, w2_scale, quant, compute_dtype)
+
+    def expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int) -> torch.Tensor:
+        """One expert in compute_dtype: a float64 copy of a whole layer would dwarf the layer itself."""
+        if weights_dequantized:
+            return w[expert].to(compute_dtype)
+        return dequantize_weight(w[expert:expert + 1], None if scale is None else scale[expert:expert + 1],
+                                 quant, compute_dtype)[0]
 
     x = hidden_states.to(compute_dtype)
     if fake_quant:
@@ -165,13 +167,13 @@ def fused_experts_reference(
 
     act = torch.empty(num_tokens * top_k, inter, dtype=compute_dtype, device=x.device)
     for expert, pairs in pairs_of_expert.items():
-        gate_up = x[token_of_pair[pairs]] @ w13_full[expert].T
+        gate_up = x[token_of_pair[pairs]] @ expert_weight(w13, w13_scale, expert).T
         act[pairs] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     if fake_quant:
         act = fake_quantize(act, quant, a2_scale)
 
     out = torch.empty(num_tokens * top_k, w2.shape[1], dtype=compute_dtype, device=x.device)
     for expert, pairs in pairs_of_expert.items():
-        out[pairs] = act[pairs] @ w2_full[expert].T
+        out[pairs] = act[pairs] @ expert_weight(w2, w2_scale, expert).T
     weights = topk_weights.to(compute_dtype).unsqueeze(-1)
     return (out.view(num_tokens, top_k, -1) * weights).sum(dim=1)
