@@ -9,6 +9,7 @@ model size. Runs on the GPU when there is one.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,20 +41,25 @@ class RoundingError:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # error², norm², worst ratio
         self.buffers = torch.empty(3, 0, device=device)
 
-    def add(self, original: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: MoEQuantSpec) -> None:
+    def add(self, original: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: MoEQuantSpec,
+            original_scale: tuple[torch.Tensor, MoEQuantSpec] | None = None) -> None:
         """One 2-D FP8 matrix `q` with its own `scale` (scalar, `[N]`/`[N, 1]` or the block grid) against
-        `original`, `fp8.CHUNK_ELEMENTS` at a time in rows that start on block boundaries."""
+        `original` (itself FP8 with `original_scale` = (scale, spec) for a pre-quantized source),
+        `fp8.CHUNK_ELEMENTS` at a time in rows that start on block boundaries of both."""
         rows, cols = q.shape
         step = max(1, fp8.CHUNK_ELEMENTS // max(cols, 1))
-        if spec.weight == "block":
-            step = max(spec.block_shape[0], step - step % spec.block_shape[0])
+        for blocks in (spec, original_scale and original_scale[1]):
+            if blocks and blocks.weight == "block":
+                step = max(blocks.block_shape[0], step - step % blocks.block_shape[0])
         if self.buffers.shape[1] < min(rows, step) * cols:
             self.buffers = torch.empty(3, min(rows, step) * cols, device=self.device)
         for start in range(0, rows, step):
             end = min(rows, start + step)
             w, difference, bound = (b[:(end - start) * cols].view(end - start, cols) for b in self.buffers)
-            s = expand_weight_scale(_scale_rows(scale, spec, start, end), spec, (1, end - start, cols))[0]
+            s = _scale_rows(scale, spec, start, end, cols)
             w.copy_(original[start:end])
+            if original_scale is not None:
+                w.mul_(_scale_rows(*original_scale, start, end, cols))
             difference.copy_(q[start:end]).mul_(s).sub_(w)
             fp8.rounding_bound(w, s, out=bound)
             self.sums[0] += torch.dot(difference.view(-1), difference.view(-1))
@@ -66,14 +72,15 @@ class RoundingError:
         return (err / max(norm, 1e-300)) ** 0.5, worst
 
 
-def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int) -> torch.Tensor:
-    """The part of one matrix's scale covering rows [start, end), with a leading expert dim of 1."""
+def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int, cols: int) -> torch.Tensor:
+    """One matrix's scale over its rows [start, end), broadcastable to them."""
     if spec.weight == "tensor":
-        return scale.reshape(1)
-    if spec.weight == "channel":
-        return scale.reshape(-1)[start:end].reshape(1, -1)
-    block_n = spec.block_shape[0]
-    return scale[start // block_n:-(-end // block_n)].unsqueeze(0)
+        part = scale.reshape(1)
+    elif spec.weight == "channel":
+        part = scale.reshape(-1)[start:end].reshape(1, -1)
+    else:
+        part = scale[start // spec.block_shape[0]:-(-end // spec.block_shape[0])].unsqueeze(0)
+    return expand_weight_scale(part, spec, (1, end - start, cols))[0]
 
 
 def check_device(device: str) -> torch.device:
@@ -82,20 +89,28 @@ def check_device(device: str) -> torch.device:
 
 def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None = None,
                          device: str = "auto") -> list[LayerWeightCheck]:
+    """Every MoE layer's experts of DST against SRC; the next chunk of experts is read (one thread)
+    while this one is compared, so reading and arithmetic overlap."""
     original, quantized = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     torch_device = check_device(device)
-    results = []
-    for layer in sorted(original.layers):
-        error = RoundingError(torch_device)
-        for experts in original.expert_chunks(layer):
-            a = original.load_experts(layer, experts, torch_device)
-            b = quantized.load_experts(layer, experts, torch_device)
-            for w, q, scale in zip((a.w13_weight, a.w2_weight), (b.w13_weight, b.w2_weight),
-                                   b.quant_method.scales(b)):
+    chunks = [(layer, experts) for layer in sorted(original.layers) for experts in original.expert_chunks(layer)]
+
+    def load(chunk: tuple[int, range]):
+        return (original.load_experts(*chunk, torch_device), quantized.load_experts(*chunk, torch_device))
+
+    errors = {layer: RoundingError(torch_device) for layer in sorted(original.layers)}
+    with ThreadPoolExecutor(1) as reader:
+        ahead = reader.submit(load, chunks[0]) if chunks else None
+        for index, (layer, experts) in enumerate(chunks):
+            a, b = ahead.result()
+            ahead = reader.submit(load, chunks[index + 1]) if index + 1 < len(chunks) else None
+            error = errors[layer]
+            for w, w_scale, q, scale in zip((a.w13_weight, a.w2_weight), a.quant_method.scales(a),
+                                            (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
                 for e in range(len(experts)):
-                    error.add(w.data[e], q.data[e], scale[e], quantized.spec)
+                    source_scale = None if w_scale is None else (w_scale[e], original.spec)
+                    error.add(w.data[e], q.data[e], scale[e], quantized.spec, source_scale)
             del a, b
-        results.append(LayerWeightCheck(layer, *error.result()))
     original.checkpoint.close()
     quantized.checkpoint.close()
-    return results
+    return [LayerWeightCheck(layer, *error.result()) for layer, error in errors.items()]
