@@ -1,6 +1,7 @@
-"""`verify --against` holds a few experts at a time: its peak anonymous memory (RssAnon, polled from
-/proc; mapped shards count in RSS only) does not grow with the number of layers or experts (issue 18).
-A test of memory, not of timings."""
+"""`verify --against`, `validate` and `dequantize` hold a few experts (or one layer) at a time: their peak
+anonymous memory (RssAnon, polled from /proc; mapped shards count in RSS only) does not grow with the
+number of layers, and for `verify --against` and `dequantize` not with the experts per layer either
+(issue 18). A test of memory, not of timings."""
 
 import sys
 from pathlib import Path
@@ -15,23 +16,46 @@ from quantize_moe.plan.options import Options  # noqa: E402
 from quantize_moe.write.job import quantize_checkpoint  # noqa: E402
 
 # Small experts and a 1 MB chunk budget: one expert at a time, so a whole layer held at once would show.
-VERIFY = ("import sys, quantize_moe.check.moe_layers as m; m.EXPERT_CHUNK_BYTES = 1 << 20; "
-          "from quantize_moe.cli.app import app; app(sys.argv[1:])")
+CLI = ("import sys, quantize_moe.check.moe_layers as m; m.EXPERT_CHUNK_BYTES = 1 << 20; "
+       "from quantize_moe.cli.app import app; app(sys.argv[1:])")
+SIZES = {"small": (2, 4), "deep": (6, 4), "large": (6, 32)}  # (layers, experts per layer)
 
 
-def _peak_anon_of_verify(folder: Path, layers: int, experts: int) -> int:
-    src, dst = folder / "bf16", folder / "fp8"
-    make_synthetic_mixtral.set_shape(hidden=256, expert_width=1024, experts=experts)
-    try:
-        make_synthetic_mixtral.write_checkpoint(src, layers, vocab=256, shard_bytes=50_000_000)
-    finally:
-        make_synthetic_mixtral.set_shape(4096, 14336, 8)
-    quantize_checkpoint(src, dst, Options(scheme="channel"), show_progress=False)
-    return run_measured([sys.executable, "-c", VERIFY, "verify", str(dst), "--against", str(src)])["peak_rss_anon"]
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(bf16 source, FP8 output) of each size in SIZES."""
+    made = {}
+    for size, (layers, experts) in SIZES.items():
+        folder = tmp_path_factory.mktemp(size)
+        make_synthetic_mixtral.set_shape(hidden=256, expert_width=1024, experts=experts)
+        try:
+            make_synthetic_mixtral.write_checkpoint(folder / "bf16", layers, vocab=256, shard_bytes=50_000_000)
+        finally:
+            make_synthetic_mixtral.set_shape(4096, 14336, 8)
+        quantize_checkpoint(folder / "bf16", folder / "fp8", Options(scheme="channel"), show_progress=False)
+        made[size] = folder / "bf16", folder / "fp8"
+    return made
+
+
+def _peak_anon(*args: str) -> int:
+    return run_measured([sys.executable, "-c", CLI, *map(str, args)])["peak_rss_anon"]
+
+
+def _verify(src: Path, dst: Path) -> int:
+    return _peak_anon("verify", dst, "--against", src)
+
+
+def _validate(src: Path, dst: Path) -> int:
+    return _peak_anon("validate", src, dst, "--no-progress", "--tokens", "16", "--device", "cpu")
+
+
+def _dequantize(src: Path, dst: Path) -> int:
+    return _peak_anon("dequantize", dst, dst.parent / "bf16-again", "--overwrite")
 
 
 @pytest.mark.slow
-def test_verify_against_memory_stays_flat_as_the_model_grows(tmp_path):
-    small = _peak_anon_of_verify(tmp_path / "small", layers=2, experts=4)
-    large = _peak_anon_of_verify(tmp_path / "large", layers=6, experts=32)  # 8x the experts per layer
+@pytest.mark.parametrize("command, grown", [(_verify, "large"), (_dequantize, "large"), (_validate, "deep")],
+                         ids=["verify --against", "dequantize", "validate"])
+def test_peak_anonymous_memory_stays_flat_as_the_model_grows(checkpoints, command, grown):
+    small, large = command(*checkpoints["small"]), command(*checkpoints[grown])
     assert large <= small * 1.15 + (48 << 20), (small, large)
