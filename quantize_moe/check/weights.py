@@ -47,6 +47,9 @@ class RoundingError:
         `original` (itself FP8 with `original_scale` = (scale, spec) for a pre-quantized source),
         `fp8.CHUNK_ELEMENTS` at a time in rows that start on block boundaries of both."""
         rows, cols = q.shape
+        scale = scale.to(self.device)
+        if original_scale is not None:
+            original_scale = original_scale[0].to(self.device), original_scale[1]
         step = max(1, fp8.CHUNK_ELEMENTS // max(cols, 1))
         for blocks in (spec, original_scale and original_scale[1]):
             if blocks and blocks.weight == "block":
