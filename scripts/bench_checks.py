@@ -93,7 +93,8 @@ def main() -> None:
             results["output_bytes"] = folder_bytes(dst)
             results["parallel read of output"] = parallel_read(dst, os.cpu_count() or 1)
             results["parallel read of source"] = parallel_read(src, os.cpu_count() or 1)
-        print(f"{name:>18}: {results['steps'][name]['seconds']:7.2f} s, peak RSS "
+        print(f"{name:>18}: {results['steps'][name]['seconds']:7.2f} s ({results['steps'][name]['cpu_seconds']:.1f} "
+              f"CPU s), peak RSS "
               f"{results['steps'][name]['peak_rss'] / 1e9:6.2f} GB, RssAnon "
               f"{results['steps'][name]['peak_rss_anon'] / 1e9:6.2f} GB", flush=True)
     for what in ("output", "source"):

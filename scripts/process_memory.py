@@ -4,6 +4,7 @@ the pages of mapped shards, which the kernel can drop; RssAnon is what the proce
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import time
 
@@ -18,7 +19,9 @@ def _status_kb(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
 
 def run_measured(command: list[str], env: dict | None = None, interval: float = 0.01,
                  expect: tuple[int, ...] = (0,)) -> dict:
-    """Run `command`; returns wall seconds, exit code and peak VmRSS / RssAnon in bytes."""
+    """Run `command`; returns wall seconds, CPU seconds (user + system, which other load on a shared
+    machine changes far less than the wall time), exit code and peak VmRSS / RssAnon in bytes."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = {"VmRSS": 0, "RssAnon": 0}
@@ -27,8 +30,10 @@ def run_measured(command: list[str], env: dict | None = None, interval: float = 
             peak[key] = max(peak[key], kb * 1024)
         time.sleep(interval)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     stderr = process.stderr.read().decode(errors="replace")
     if process.returncode not in expect:
         raise RuntimeError(f"{' '.join(command)} exited {process.returncode}: {stderr[-2000:]}")
-    return {"seconds": seconds, "exit_code": process.returncode, "peak_rss": peak["VmRSS"],
+    return {"seconds": seconds, "cpu_seconds": cpu, "exit_code": process.returncode, "peak_rss": peak["VmRSS"],
             "peak_rss_anon": peak["RssAnon"]}

@@ -101,19 +101,22 @@ def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None =
     def load(chunk: tuple[int, range]):
         return (original.load_experts(*chunk, torch_device), quantized.load_experts(*chunk, torch_device))
 
-    errors = {layer: RoundingError(torch_device) for layer in sorted(original.layers)}
+    results, error = [], None
     with ThreadPoolExecutor(1) as reader:
         ahead = reader.submit(load, chunks[0]) if chunks else None
         for index, (layer, experts) in enumerate(chunks):
             a, b = ahead.result()
             ahead = reader.submit(load, chunks[index + 1]) if index + 1 < len(chunks) else None
-            error = errors[layer]
+            error = error or RoundingError(torch_device)  # one per layer, its buffers freed after it
             for w, w_scale, q, scale in zip((a.w13_weight, a.w2_weight), a.quant_method.scales(a),
                                             (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
                 for e in range(len(experts)):
                     source_scale = None if w_scale is None else (w_scale[e], original.spec)
                     error.add(w.data[e], q.data[e], scale[e], quantized.spec, source_scale)
             del a, b
+            if index + 1 == len(chunks) or chunks[index + 1][0] != layer:
+                results.append(LayerWeightCheck(layer, *error.result()))
+                error = None
     original.checkpoint.close()
     quantized.checkpoint.close()
-    return [LayerWeightCheck(layer, *error.result()) for layer, error in errors.items()]
+    return results
