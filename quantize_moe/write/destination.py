@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
 from quantize_moe.console import human_bytes
@@ -117,21 +116,6 @@ def _atomic(path: Path, write) -> None:
             raise OSError(error.errno, error.strerror or str(error), str(path)) from None
         raise OSError(None, f"writing failed ({error})", str(path)) from None
     os.replace(tmp, path)
-
-
-def write_shard(path: Path, tensors: dict) -> None:
-    """safetensors' save_file creates its file 0600; the shard gets the mode of every other output file."""
-    def save(tmp: Path) -> None:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, new_file_mode())
-    _atomic(path, save)
-
-
-def new_file_mode() -> int:
-    """The mode open() gives a new file under this process's umask (0644 under the usual 022)."""
-    umask = os.umask(0o022)  # reading the umask means setting it; set it straight back
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def write_text(path: Path, text: str) -> None:
