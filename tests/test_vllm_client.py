@@ -85,6 +85,37 @@ def damage_one_expert(folder: Path) -> str:
     raise AssertionError(f"no expert gate scale in {folder}")
 
 
+STATIC = ("mixtral", "qwen3_moe")  # calibrated scales, on random tokens
+# name -> (format, extra quantize options, suffixes of the scales a damaged copy divides by 100)
+CALIBRATED = {"static": ("fp8", [], ("input_scale",)),
+              "static-kv": ("compressed-tensors", ["--kv-cache", "fp8"], ("k_scale", "v_scale"))}
+
+
+def _calibrated_outputs(src: Path, root: Path) -> dict[str, Path]:
+    """Static-activation outputs (native fp8; compressed-tensors with an FP8 KV cache too), each with a copy
+    whose calibrated scales are 100x too small: saturated inputs or keys and values, which vLLM's numbers
+    notice only if it applies the scales."""
+    from typer.testing import CliRunner
+
+    from quantize_moe.cli.app import app
+
+    data = root / "calibration.safetensors"
+    save_file({"input_ids": torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(5))}, data)
+    outputs = {}
+    for name, (fmt, extra, damaged) in CALIBRATED.items():
+        for out in (root / name, root / f"{name}-damaged"):
+            result = CliRunner().invoke(app, ["quantize", str(src), str(out), "--no-progress", "--format", fmt,
+                                              "--scheme", "tensor", "--activations", "static", "--calibration",
+                                              str(data), "--calibration-length", "128", *extra])
+            assert result.exit_code == 0, result.output
+            outputs[out.name] = out
+        for file in (root / f"{name}-damaged").glob("*.safetensors"):
+            tensors = load_file(file)
+            save_file({n: t / 100 if n.endswith(damaged) else t for n, t in tensors.items()}, file,
+                      metadata={"format": "pt"})
+    return outputs
+
+
 def _name(fmt: str, scheme: str) -> str:
     return f"{fmt}/{scheme}"
 
@@ -107,6 +138,8 @@ def vllm_results(tmp_path_factory):
                                 show_progress=False)
             damage_one_expert(root / "damaged")
             models["damaged"] = root / "damaged"
+            if family in STATIC:
+                models.update(_calibrated_outputs(models["bf16"], root))
             ids = torch.randint(0, 128, (2, MAX_MODEL_LEN // 2), generator=torch.Generator().manual_seed(0))
             job = {"models": {k: str(v) for k, v in models.items()}, "prompts": ids.tolist(),
                    "max_model_len": MAX_MODEL_LEN, "no_amx": True}
@@ -147,3 +180,15 @@ def test_vllm_numbers_catch_one_damaged_expert_scale(family, vllm_results):
     top1, ppl = agreement(results["damaged"], results["bf16"])
     print(f"{family} damaged: top-1 {top1:.4f}, perplexity ratio {ppl:.5f}", file=sys.stderr)
     assert not passes(top1, ppl), (top1, ppl)
+
+
+@pytest.mark.parametrize("name", CALIBRATED)
+@pytest.mark.parametrize("family", STATIC)
+def test_vllm_loads_calibrated_scales_and_applies_them(family, name, vllm_results):
+    results = vllm_results(family)
+    top1, ppl = agreement(results[name], results["bf16"])
+    damaged = agreement(results[f"{name}-damaged"], results["bf16"])
+    print(f"{family} {name}: top-1 {top1:.4f}, perplexity ratio {ppl:.5f}; scales / 100: top-1 {damaged[0]:.4f}",
+          file=sys.stderr)
+    assert passes(top1, ppl), (top1, ppl)
+    assert not passes(*damaged), damaged

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from quantize_moe.adapters.reader import SourceReader
-from quantize_moe.errors import UserError
 from quantize_moe.run.executor import LayerStreamedModel
 from quantize_moe.source.checkpoint import Checkpoint
 
@@ -34,44 +33,6 @@ class EvalReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def load_tokens(data: Path, src: Path, length: int, samples: int | None) -> list[torch.Tensor]:
-    """Token batches `[1, length]` from a safetensors file with `input_ids` [N, T], or from text
-    tokenized with SRC's tokenizer and cut into windows of `length`."""
-    if not data.is_file():
-        raise UserError(f"--data '{data}' does not exist or is not a file; give a text file or a safetensors "
-                        "file with 'input_ids'.")
-    if data.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-        try:
-            ids = load_file(data).get("input_ids")
-        except (SafetensorError, OSError, ValueError) as error:
-            raise UserError(f"--data '{data}' is not a readable safetensors file ({error}).") from None
-        if ids is None or ids.dim() != 2 or ids.numel() == 0 or ids.dtype.is_floating_point:
-            raise UserError(f"--data '{data}' needs a non-empty integer tensor 'input_ids' of shape [N, T].")
-        rows = ids.long()
-    else:
-        try:
-            text = data.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise UserError(f"--data '{data}' cannot be read as text ({error}).") from None
-        from transformers import AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
-        except Exception:  # no tokenizer files, or one transformers cannot build offline
-            raise UserError(f"'{src}' has no tokenizer to tokenize --data '{data}'; give a safetensors file "
-                            "with 'input_ids' instead.") from None
-        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-        if len(ids) < length + 1:
-            raise UserError(f"--data '{data}' has {len(ids)} tokens, fewer than one window of --length "
-                            f"{length} + 1; give more text or a smaller --length.")
-        rows = ids[: len(ids) // length * length].reshape(-1, length)
-    if rows.shape[1] < 2:
-        raise UserError(f"--data '{data}' has sequences of {rows.shape[1]} token; perplexity needs at least 2.")
-    rows = rows[:samples] if samples else rows
-    return [row[None] for row in rows]
 
 
 def _streamed_logits(folder: Path, batches: list[torch.Tensor], device: str):

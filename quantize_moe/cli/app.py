@@ -18,7 +18,8 @@ from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.cli.usage import Command, Group, JsonReportCommand
 from quantize_moe.console import console, count_progress, human_bytes, short_float, stdout
 from quantize_moe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_USAGE, UsageError, UserError
-from quantize_moe.plan.options import FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, SCHEME_CHOICES, Options
+from quantize_moe.plan.options import (ACTIVATION_CHOICES, FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, KV_CACHE_CHOICES,
+                                       SCHEME_CHOICES, Options)
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, cls=Group)
 command = functools.partial(app.command, cls=Command)
@@ -131,30 +132,75 @@ def quantize(
         min=1, metavar="N", help="Work items in flight at once, spread over the devices (default: one per core "
                                  f"on cpu, {GPU_WORKERS_PER_DEVICE} per GPU).")] = None,
     wide: Wide = False,
+    activations: Annotated[Literal[ACTIVATION_CHOICES], typer.Option(
+        metavar="dynamic|static", help="dynamic: the engine scales activations at run time; static: per-tensor "
+                                       "input scales measured on --calibration.")] = "dynamic",
+    kv_cache: Annotated[Optional[Literal[KV_CACHE_CHOICES]], typer.Option(
+        metavar="fp8", help="Per-tensor k_scale / v_scale of every attention layer, measured on --calibration.")] = None,
+    calibration: Annotated[Optional[Path], typer.Option(
+        metavar="FILE", help="Calibration data for --activations static and --kv-cache: text or .jsonl (field "
+                             "\"text\") tokenized with SRC's tokenizer, or safetensors with 'input_ids' [N, T].")] = None,
+    calibration_samples: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", help="Calibration sequences to use (default: all).")] = None,
+    calibration_length: Annotated[int, typer.Option(min=2, metavar="T", help="Tokens per calibration sequence.")] = 512,
+    calibration_routed_only: Annotated[bool, typer.Option(
+        "--calibration-routed-only", help="Measure each expert on the tokens routed to it only, instead of on "
+                                          "every token.")] = False,
 ) -> None:
     """Write an FP8 copy of SRC into DST.
 
     Weights and scales, config.json with quantization_config, a manifest of every file's size and
-    digest, a model card, and every other file of SRC unchanged."""
+    digest, a model card, and every other file of SRC unchanged. With --activations static or
+    --kv-cache fp8, SRC is first run layer by layer over the calibration tokens."""
     from quantize_moe.source.hub import open_source
     from quantize_moe.publish.model_card import record_run, write_card
-    from quantize_moe.cli.report import decisions_table, run_table
+    from quantize_moe.cli.report import calibration_table, decisions_table, run_table
     from quantize_moe.write.job import quantize_checkpoint
 
     options = Options(experts_only=experts_only, scheme=scheme, format=format_,
-                      max_shard_size=_shard_size(max_shard_size), adapter=adapter, requantize=requantize)
+                      max_shard_size=_shard_size(max_shard_size), adapter=adapter, requantize=requantize,
+                      activations=activations, kv_cache=kv_cache,
+                      calibration=None if calibration is None else str(calibration),
+                      calibration_samples=calibration_samples, calibration_length=calibration_length,
+                      calibration_routed_only=calibration_routed_only)
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
-                                      show_progress=progress, device=device,
-                                      workers=workers)
-        record_run(dst, checkpoint, src, summary.plan.options)
+                                      show_progress=progress, device=device, workers=workers,
+                                      calibration=_calibration(options, checkpoint.folder, device))
+        record_run(dst, checkpoint, src, summary.plan.options, summary.activation_amax)
     write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan, wide))
+    if summary.activation_amax is not None:
+        stdout.print(calibration_table(summary.activation_amax))
     stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
     _print_auto_choice(options, summary.plan)
     stdout.print(f"[green]wrote[/] {dst}")
     if push_to_hub:
         _upload(dst, push_to_hub, private)
+
+
+def _calibration(options: Options, src: Path, device: str):
+    """The calibration of a run with calibrated scales: its tokens read now (bad data is refused before
+    anything is written), the model run over them when the job has passed its pre-flight checks."""
+    from quantize_moe.plan.compatibility import check_calibrated
+
+    check_calibrated(options)
+    if not options.calibrates:
+        return None
+    from quantize_moe.adapters.reader import SourceReader
+    from quantize_moe.run.calibration import calibrate
+    from quantize_moe.run.tokens import TokenOptions, load_tokens, tokens_digest
+    from quantize_moe.write.job import Calibration
+
+    batches = load_tokens(Path(options.calibration), src, options.calibration_length, options.calibration_samples,
+                          TokenOptions("--calibration", "--calibration-length", "--calibration-samples", strict=True))
+    first_device = device.split(",")[0].strip()  # the model runs on one device
+
+    def measure(plan):
+        console.print(f"calibrating on {sum(b.numel() for b in batches)} tokens, one layer at a time")
+        return calibrate(SourceReader(plan.checkpoint), batches, first_device, options.calibration_routed_only,
+                         activations=options.activations == "static", kv_cache=options.kv_cache is not None)
+    return Calibration(tokens_digest(batches), measure)
 
 
 @command()
@@ -394,7 +440,8 @@ def evaluate(
     """Compare SRC and DST end to end: perplexity, KL, top-1 agreement.
 
     Both are streamed layer by layer (one layer in memory at a time). Exit 3 when a threshold fails."""
-    from quantize_moe.check.streamed_eval import EvalThresholds, evaluate as run_evaluation, load_tokens
+    from quantize_moe.check.streamed_eval import EvalThresholds, evaluate as run_evaluation
+    from quantize_moe.run.tokens import load_tokens
     from quantize_moe.cli.report import evaluation_table
 
     for folder in (src, dst):

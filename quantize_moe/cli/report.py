@@ -181,3 +181,22 @@ def evaluation_table(report) -> Table:
     table.add_row("top-1 agreement", f"{report.top1_agreement:.4f}")
     table.add_row("passed", "[green]yes[/]" if report.passed else "[red]NO[/]")
     return table
+
+
+def calibration_table(amax) -> Table:
+    """What calibration measured per decoder layer: experts that got routed tokens, the spread of the input
+    scales (every expert has one either way) and the KV-cache scales."""
+    rows = amax.summary()
+    kv = any("k_scale" in row for row in rows)
+    table = Table(title=f"Calibrated scales from {amax.tokens} calibration tokens")
+    for column in ("layer", "experts with routed tokens", "smallest input scale", "largest input scale",
+                   *(("k_scale", "v_scale") if kv else ())):
+        table.add_column(column, justify="right", no_wrap=True)
+    scale = lambda value: "-" if value is None else f"{value:.3e}"  # noqa: E731
+    for row in rows:
+        routed = "-" if row["experts"] is None else f"{row['experts_routed']} / {row['experts']}"
+        if row["experts"] and row["experts_routed"] < row["experts"]:
+            routed = f"[yellow]{routed}[/]"
+        kv_cells = (scale(row.get("k_scale")), scale(row.get("v_scale"))) if kv else ()
+        table.add_row(str(row["layer"]), routed, scale(row["min_scale"]), scale(row["max_scale"]), *kv_cells)
+    return table

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from quantize_moe.errors import UsageError, UserError
-from quantize_moe.plan.options import AUTO, Options
+from quantize_moe.plan.options import ACTIVATION_CHOICES, AUTO, KV_CACHE_CHOICES, Options
 from quantize_moe.quantization.formats import FORMATS
 from quantize_moe.quantization.schemes import SCHEMES
 
@@ -83,6 +83,7 @@ def resolve_options(options: Options, experts: list[tuple[str, tuple[int, ...]]]
     if options.format not in (AUTO, *FORMATS):
         raise UsageError(f"--format {options.format} is not available; choose one of {AUTO}, "
                          f"{', '.join(FORMATS)}.")
+    options = _static_scheme(options)
     ranked = _ranked(fused_family, family)
     fitting = [c for c in ranked if _expert_misfit(c[1], experts) is None]
     wanted = _wanted(options, ranked)
@@ -129,6 +130,31 @@ def explain_auto(requested: Options, resolved: Options, experts: list[tuple[str,
         return (f"{line} (loads in {engines}): {skipped[0][0]} / {skipped[0][1]} does not fit the routed "
                 f"experts ('{misfit[0]}': {misfit[1]})")
     return f"{line}: loads in {engines}, the most engines of the combinations left open"
+
+
+def check_calibrated(options: Options) -> None:
+    """The calibration options make sense together (checked before any calibration data is read)."""
+    if options.activations not in ACTIVATION_CHOICES:
+        raise UsageError(f"--activations {options.activations} is not available; choose one of "
+                         f"{', '.join(ACTIVATION_CHOICES)}.")
+    if options.kv_cache not in (None, *KV_CACHE_CHOICES):
+        raise UsageError(f"--kv-cache {options.kv_cache} is not available; write --kv-cache "
+                         f"{' or '.join(KV_CACHE_CHOICES)}.")
+    if options.calibrates != (options.calibration is not None):
+        raise UsageError("--activations static and --kv-cache fp8 need --calibration FILE, the tokens their scales are "
+                         "measured on." if options.calibrates else
+                         "--calibration is used by --activations static or --kv-cache fp8 only; add one or drop it.")
+    # Static input scales are per tensor, and vLLM's MoE methods take them with per-tensor weights only.
+    if options.activations == "static" and options.scheme not in (AUTO, "tensor"):
+        raise UsageError(f"--activations static takes --scheme tensor only (static input scales are per tensor, "
+                         f"and engines pair them with per-tensor weights), not --scheme {options.scheme}; use "
+                         "--scheme tensor or --activations dynamic.")
+
+
+def _static_scheme(options: Options) -> Options:
+    """With static activations `auto` becomes tensor (channel and block are refused)."""
+    check_calibrated(options)
+    return replace(options, scheme="tensor") if options.activations == "static" else options
 
 
 def _expert_misfit(scheme: str, experts: list[tuple[str, tuple[int, ...]]]) -> tuple[str, str] | None:

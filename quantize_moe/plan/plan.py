@@ -24,6 +24,8 @@ from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import FORMATS, read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.schemes import SCHEMES
+from quantize_moe.plan.calibrated import check_calibrated_outputs
+from quantize_moe.quantization.static import KV_SCALES
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -86,6 +88,8 @@ class Plan:
     decisions: dict[str, Decision]
     items: list[WorkItem]
     shards: list[list[WorkItem]] = field(default_factory=list)
+    # Calibrated outputs are items without sources (plan/calibrated.py); their values, by output name.
+    calibrated_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -134,7 +138,8 @@ class Plan:
     @property
     def quantization_config(self) -> dict:
         quantized = sorted({d.role.module for d in self.decisions.values() if d.quantize})
-        return self.format.quantization_config(self.scheme, self.ignored_modules, quantized)
+        return self.format.quantization_config(self.scheme, self.ignored_modules, quantized, self.options.activations,
+                                               self.options.kv_cache is not None)
 
     @property
     def bytes_before(self) -> int:
@@ -174,6 +179,12 @@ class Plan:
 MTP_REASON = "multi-token-prediction layer: kept in high precision"
 
 
+def _kv_items(config: PretrainedConfig) -> list[WorkItem]:
+    """One item per decoder layer with its attention's k_scale and v_scale (float32 scalars, vLLM's names)."""
+    return [WorkItem((), False, tuple(OutputTensor(f"model.layers.{layer}.self_attn.{kind}", torch.float32, ())
+                                      for kind in KV_SCALES), 0) for layer in range(config.num_hidden_layers)]
+
+
 def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -193,6 +204,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
                                         if roles[name].kind == Kind.ROUTED_EXPERT for shape in shapes[name]],
                               fused_family=family.name if stay_fused else None, family=family.name)
     _check_source_not_done(checkpoint.raw_config, options, where)
+    check_calibrated_outputs(options, family, config, where)
     mtp = set(family.mtp_layers(config))
     decisions = {}
     for name in source.names:
@@ -202,8 +214,8 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
             _decide(info, roles[name], options, shapes[name], in_mtp_layer=family.layer_of(name) in mtp)
     _keep_fused_siblings_together(decisions)
     _check_experts(family, moe_layers, decisions, where)
-    plan = Plan(source, family, config, options, moe_layers, decisions,
-                _work_items(decisions, options, num_experts))
+    items = _work_items(decisions, options, num_experts) + (_kv_items(config) if options.kv_cache else [])
+    plan = Plan(source, family, config, options, moe_layers, decisions, items)
     _check_output_names(plan.items, checkpoint)
     plan.shards = _assign_shards(plan.items, options.max_shard_size)
     return plan
@@ -289,6 +301,10 @@ def _work_items(decisions: dict[str, Decision], options: Options, num_experts: d
             outputs = [OutputTensor(i.name, i.dtype, i.shape) for i in infos]
         items.append(WorkItem(tuple(names), decisions[names[0]].quantize, tuple(outputs),
                               sum(i.nbytes for i in infos)))
+        if options.activations == "static" and decisions[names[0]].quantize:
+            items.append(WorkItem((), False, tuple(
+                OutputTensor(f"{decisions[i.name].role.module}.input_scale", fmt.scale_dtype(i.dtype),
+                             fmt.scale_shape(scheme, i.shape)) for i in infos), 0))
     return items
 
 
@@ -315,7 +331,8 @@ def _check_output_names(items: list[WorkItem], checkpoint: Checkpoint) -> None:
         for output in item.outputs:
             if output.name in owner:
                 kept = output.name if output.name in checkpoint.tensors else owner[output.name].sources[0]
-                weight = next(s for s in (owner[output.name], item) if s.quantize).sources
+                weight = next((s.sources for s in (owner[output.name], item) if s.quantize),  # or a calibrated
+                              (f"{output.name.rpartition('.')[0]}.weight",))  # input scale of this module
                 raise UserError(f"SRC tensor '{kept}' has the name of the scale this run writes for "
                                 f"'{weight[0]}', but SRC is not quantized there; it is a leftover of another "
                                 "tool: remove it from SRC (or restore the quantization_config it belongs to).")

@@ -26,6 +26,7 @@ from quantize_moe.check.inventory import Inventory, take_inventory
 from quantize_moe.write.manifest import Manifest
 from quantize_moe.write.destination import CARD_NAME, RUN_RECORD, VALIDATION_REPORT, write_text
 from quantize_moe.plan.options import Options
+from quantize_moe.quantization.static import ActivationAmax
 
 LOCAL_SOURCE = "SRC"
 CARRIED_OVER = ("license", "license_name", "license_link", "language", "pipeline_tag")
@@ -73,8 +74,10 @@ def _source_card_metadata(folder: Path) -> dict:
         return {}
 
 
-def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Options) -> None:
-    """Write what the card needs to know about the source: where it came from and what its card said."""
+def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Options,
+               activation_amax: ActivationAmax | None = None) -> None:
+    """Write what the card needs to know about the source: where it came from and what its card said, and
+    for static activations what calibration measured per layer."""
     origin = _hub_origin(checkpoint.folder)  # Hub sources are read from (or through) a cache snapshot
     metadata = _source_card_metadata(checkpoint.folder)
     _write_recorded(dst, RUN_RECORD, json.dumps({
@@ -87,6 +90,9 @@ def record_run(dst: Path, checkpoint: Checkpoint, src_text: str, options: Option
         # a local folder's path means nothing to a reader of the card: SRC stands for it
         "command": reproduce_command(origin.repo_id if origin else LOCAL_SOURCE, dst, options),
         "source_card": {k: metadata[k] for k in CARRIED_OVER if metadata.get(k)},
+        "calibration": None if activation_amax is None else {
+            "tokens": activation_amax.tokens, "routed_only": options.calibration_routed_only,
+            "layers": activation_amax.summary()},
     }, indent=2) + "\n")
 
 
@@ -137,6 +143,23 @@ def _cell(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+def _activations_line(qc: dict, calibration: dict | None) -> str:
+    kv = qc.get("kv_cache_scheme") and calibration
+    kv_line = (f"\n- KV cache: FP8, per-tensor `k_scale` / `v_scale` per attention layer, amax / 448 of the keys "
+               f"and values over {calibration['tokens']} calibration tokens (vLLM uses them by itself for compressed-tensors, with `--kv-cache-dtype fp8` for native fp8)"
+               if kv else "")
+    rows = [] if calibration is None else [r for r in calibration["layers"] if r["min_scale"] is not None]
+    if not rows:
+        return f"{qc.get('activation_scheme', 'dynamic')}, quantized by the engine at run time{kv_line}"
+    how = ("each expert measured on its routed tokens, unrouted ones given their layer's largest"
+           if calibration["routed_only"] else "every expert measured on every token")
+    routed = [f"{r['experts_routed']}/{r['experts']}" for r in rows if r["experts"]]
+    return (f"static, one per-tensor `input_scale` per quantized Linear and expert projection, amax / 448 over "
+            f"{calibration['tokens']} calibration tokens ({how}; experts with routed "
+            f"tokens per MoE layer: {', '.join(routed) or 'none'}; scales "
+            f"{min(r['min_scale'] for r in rows):.3g} to {max(r['max_scale'] for r in rows):.3g}){kv_line}")
+
+
 def _engines_section(engines: tuple[str, ...], repo: str) -> str:
     if not engines:
         return "No engine is known to load this format yet."
@@ -184,7 +207,7 @@ accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size 
 
 - weights: FP8 e4m3, {inventory.spec.weight} scales, scale = amax / 448 (the dequantization multiplier,
   stored as `{inventory.scale_suffix}`){shared}
-- activations: {qc.get('activation_scheme', 'dynamic')}, quantized by the engine at run time
+- activations: {_activations_line(qc, record.get('calibration'))}
 - config: `quantization_config` with `quant_method: {qc.get('quant_method')}`; the Linears kept in high
   precision are listed in its ignore list
 

@@ -15,6 +15,7 @@ import torch
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
 from quantize_moe.quantization.schemes import SCHEMES, Scheme
+from quantize_moe.quantization.static import KV_CACHE_SCHEME
 
 
 class NativeFp8Format:
@@ -38,21 +39,26 @@ class NativeFp8Format:
     def scale_shape(self, scheme: Scheme, shape: tuple[int, ...]) -> tuple[int, ...]:
         return scheme.scale_shape(shape)
 
-    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str]) -> dict:
+    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str],
+                            activations: str = "dynamic", kv_cache: bool = False) -> dict:
+        # vLLM's Fp8Config reads no KV-cache key: it loads `k_scale`/`v_scale` when present and uses them
+        # under `--kv-cache-dtype fp8`; the scheme is written so that readers can tell the scales are there.
+        kv = {"kv_cache_scheme": dict(KV_CACHE_SCHEME)} if kv_cache else {}
         if scheme.name != "block":
-            return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored}
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ignored, **kv}
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": activations,
                 "weight_block_size": list(scheme.block), "modules_to_not_convert": ignored,
-                "ignored_layers": ignored}
+                "ignored_layers": ignored, **kv}
 
 
 class CompressedTensorsFormat:
-    """llm-compressor's `compressed-tensors` float-quantized format, with dynamic activations.
+    """llm-compressor's `compressed-tensors` float-quantized format, with dynamic or static activations.
 
     Scales are stored in the model's dtype, as compressed-tensors writes them; a per-tensor
     scale is a 1-element vector. Activations are quantized dynamically (per token; per tensor
     under tensor weights; per 128-channel group under block weights), so no calibration data
-    is needed.
+    is needed; static activations (`--activations static`) carry a calibrated per-tensor `input_scale`
+    shaped and typed like a per-tensor weight scale.
     """
 
     name = "compressed-tensors"
@@ -67,10 +73,12 @@ class CompressedTensorsFormat:
     def scale_shape(self, scheme: Scheme, shape: tuple[int, ...]) -> tuple[int, ...]:
         return scheme.scale_shape(shape) or (1,)
 
-    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str]) -> dict:
+    def quantization_config(self, scheme: Scheme, ignored: list[str], quantized: list[str],
+                            activations: str = "dynamic", kv_cache: bool = False) -> dict:
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": scheme.name, "group_size": None, "block_structure": None}
-        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+        # static activations come with tensor weights only (plan/compatibility): strategy tensor below
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": activations != "static",
                        "strategy": "token", "group_size": None}
         if scheme.name == "block":
             weights["block_structure"] = list(scheme.block)
@@ -82,7 +90,8 @@ class CompressedTensorsFormat:
                 "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
                                               "weights": weights, "input_activations": activations,
                                               "output_activations": None}},
-                "ignore": ignore_entries(ignored, quantized), "kv_cache_scheme": None}
+                "ignore": ignore_entries(ignored, quantized),
+                "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None}
 
 
 def ignore_entries(ignored: list[str], quantized: list[str]) -> list[str]:

@@ -44,12 +44,14 @@ class FileRecord:
         return cls(path.stat().st_size, file_digest(path))
 
 
-def run_fingerprint(plan: Plan) -> str:
+def run_fingerprint(plan: Plan, calibration: str | None = None) -> str:
     """sha256 of everything the output bytes depend on but SRC's data: source metadata, config, options,
-    layout and the tool version (the shards' bytes are `source_records`)."""
+    layout, the calibration tokens' digest (static activations, KV-cache scales) and the tool version (the
+    shards' bytes are `source_records`)."""
     checkpoint = plan.checkpoint
     source = {
         "version": __version__,
+        "calibration": calibration,
         "config": checkpoint.raw_config,
         "options": asdict(plan.options),
         "tensors": [(t.name, t.file, str(t.dtype), list(t.shape)) for t in checkpoint.tensors.values()],

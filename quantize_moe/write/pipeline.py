@@ -259,7 +259,11 @@ def _quantize_unfused(plan: Plan, layout: FusedLayout, num_experts: int, tensor:
 
 
 def process(plan: Plan, item: WorkItem, sources: Sources, worker: Worker, shard: ShardFile) -> None:
-    """Read, quantize and write one work item (or copy it unchanged)."""
+    """Read, quantize and write one work item (or copy it unchanged, or write its calibrated scales)."""
+    if not item.sources:
+        for out in item.outputs:
+            shard.write(out.name, plan.calibrated_scales[out.name])
+        return
     raw = all(sources.raw(name) for name in item.sources)
     if raw and not item.quantize and all(sources.infos[o.name].dtype == o.dtype for o in item.outputs):
         for out in item.outputs:
