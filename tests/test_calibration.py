@@ -182,8 +182,6 @@ def _data(tmp_path: Path, kind: str) -> Path:
     ("short", [], "shorter than --calibration-length"),
     ("few", ["--calibration-samples", "2"], "fewer than --calibration-samples"),
     ("vocab", [], "outside the vocabulary"),
-    (None, ["--scheme", "channel"], "takes --scheme tensor only"),
-    (None, ["--scheme", "block"], "takes --scheme tensor only"),
 ])
 def test_bad_calibration_is_one_sentence_and_writes_nothing(kind, extra, message, tiny_checkpoint, ids_file,
                                                             tmp_path):
@@ -198,12 +196,17 @@ def test_bad_calibration_is_one_sentence_and_writes_nothing(kind, extra, message
     (["--activations", "static"], "need --calibration FILE"),
     (["--kv-cache", "fp8"], "need --calibration FILE"),
     (["--calibration", "ids.safetensors"], "used by --activations static or --kv-cache fp8 only"),
-    (["--activations", "sometimes"], "--activations sometimes is not available"),
-    (["--kv-cache", "fp4", "--calibration", "ids.safetensors"], "--kv-cache fp4 is not available"),
+    (["--activations", "static", "--calibration", "ids.safetensors", "--scheme", "channel"],
+     "takes --scheme tensor only"),
+    (["--activations", "static", "--calibration", "ids.safetensors", "--scheme", "block"],
+     "takes --scheme tensor only"),
+    (["--activations", "sometimes"], "--activations"),
+    (["--kv-cache", "fp4", "--calibration", "ids.safetensors"], "--kv-cache"),
 ])
-def test_static_and_calibration_go_together(args, message, tiny_checkpoint, tmp_path):
+def test_calibration_options_that_contradict_are_usage_errors(args, message, tiny_checkpoint, tmp_path):
+    """Checked before the calibration file is read (here it does not exist): exit 2, nothing written."""
     result = runner.invoke(app, ["quantize", str(tiny_checkpoint("mixtral")), str(tmp_path / "dst"), *args])
-    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "dst").exists()
 
 

@@ -18,8 +18,9 @@ from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.cli.usage import Command, Group, JsonReportCommand
 from quantize_moe.console import console, count_progress, human_bytes, short_float, stdout
 from quantize_moe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_USAGE, UsageError, UserError
-from quantize_moe.plan.options import (ACTIVATION_CHOICES, FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, KV_CACHE_CHOICES,
-                                       SCHEME_CHOICES, Options)
+from quantize_moe.cli.calibration import (Activations, CalibrationFile, CalibrationLength, CalibrationSamples, KvCache,
+                                          RoutedOnly, calibration_for)
+from quantize_moe.plan.options import FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, SCHEME_CHOICES, Options
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, cls=Group)
 command = functools.partial(app.command, cls=Command)
@@ -132,20 +133,12 @@ def quantize(
         min=1, metavar="N", help="Work items in flight at once, spread over the devices (default: one per core "
                                  f"on cpu, {GPU_WORKERS_PER_DEVICE} per GPU).")] = None,
     wide: Wide = False,
-    activations: Annotated[Literal[ACTIVATION_CHOICES], typer.Option(
-        metavar="dynamic|static", help="dynamic: the engine scales activations at run time; static: per-tensor "
-                                       "input scales measured on --calibration.")] = "dynamic",
-    kv_cache: Annotated[Optional[Literal[KV_CACHE_CHOICES]], typer.Option(
-        metavar="fp8", help="Per-tensor k_scale / v_scale of every attention layer, measured on --calibration.")] = None,
-    calibration: Annotated[Optional[Path], typer.Option(
-        metavar="FILE", help="Calibration data for --activations static and --kv-cache: text or .jsonl (field "
-                             "\"text\") tokenized with SRC's tokenizer, or safetensors with 'input_ids' [N, T].")] = None,
-    calibration_samples: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N", help="Calibration sequences to use (default: all).")] = None,
-    calibration_length: Annotated[int, typer.Option(min=2, metavar="T", help="Tokens per calibration sequence.")] = 512,
-    calibration_routed_only: Annotated[bool, typer.Option(
-        "--calibration-routed-only", help="Measure each expert on the tokens routed to it only, instead of on "
-                                          "every token.")] = False,
+    activations: Activations = "dynamic",
+    kv_cache: KvCache = None,
+    calibration: CalibrationFile = None,
+    calibration_samples: CalibrationSamples = None,
+    calibration_length: CalibrationLength = 512,
+    calibration_routed_only: RoutedOnly = False,
 ) -> None:
     """Write an FP8 copy of SRC into DST.
 
@@ -166,7 +159,7 @@ def quantize(
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
                                       show_progress=progress, device=device, workers=workers,
-                                      calibration=_calibration(options, checkpoint.folder, device))
+                                      calibration=calibration_for(options, checkpoint.folder, device))
         record_run(dst, checkpoint, src, summary.plan.options, summary.activation_amax)
     write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan, wide))
@@ -177,30 +170,6 @@ def quantize(
     stdout.print(f"[green]wrote[/] {dst}")
     if push_to_hub:
         _upload(dst, push_to_hub, private)
-
-
-def _calibration(options: Options, src: Path, device: str):
-    """The calibration of a run with calibrated scales: its tokens read now (bad data is refused before
-    anything is written), the model run over them when the job has passed its pre-flight checks."""
-    from quantize_moe.plan.compatibility import check_calibrated
-
-    check_calibrated(options)
-    if not options.calibrates:
-        return None
-    from quantize_moe.adapters.reader import SourceReader
-    from quantize_moe.run.calibration import calibrate
-    from quantize_moe.run.tokens import TokenOptions, load_tokens, tokens_digest
-    from quantize_moe.write.job import Calibration
-
-    batches = load_tokens(Path(options.calibration), src, options.calibration_length, options.calibration_samples,
-                          TokenOptions("--calibration", "--calibration-length", "--calibration-samples", strict=True))
-    first_device = device.split(",")[0].strip()  # the model runs on one device
-
-    def measure(plan):
-        console.print(f"calibrating on {sum(b.numel() for b in batches)} tokens, one layer at a time")
-        return calibrate(SourceReader(plan.checkpoint), batches, first_device, options.calibration_routed_only,
-                         activations=options.activations == "static", kv_cache=options.kv_cache is not None)
-    return Calibration(tokens_digest(batches), measure)
 
 
 @command()

@@ -123,6 +123,8 @@ def explain_auto(requested: Options, resolved: Options, experts: list[tuple[str,
     line = f"auto chose --format {chosen[0]} --scheme {chosen[1]}"
     if fused_family:
         return f"{line}: {fused_family} experts are fused tensors, which engines load with per-tensor scales only"
+    if requested.activations == "static" and requested.scheme == AUTO:
+        return f"{line}: --activations static pairs per-tensor input scales with per-tensor weight scales"
     engines = " and ".join(loading_engines(*chosen, family))
     wanted = _wanted(requested, _ranked(None, family))
     skipped = wanted[:wanted.index(chosen)]
