@@ -37,7 +37,7 @@ def calibration_flops(config: dict, tokens: int, length: int) -> float:
     per_token = 2 * (2 * hidden * hidden + 2 * hidden * kv)  # q, o and k, v
     per_token += 2 * 2 * hidden * length / 2  # causal scores and values, half the window on average
     per_token += 2 * hidden * experts + top_k * 2 * 3 * hidden * width  # router, routed experts
-    per_token += experts * 2 * (2 * hidden * width + hidden * width)  # all-experts statistics: gate/up and down
+    per_token += experts * 2 * 2 * hidden * width  # all-experts statistics: every expert's gate/up (w2's input)
     return float(per_token * layers * tokens)
 
 
