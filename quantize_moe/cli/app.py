@@ -18,8 +18,7 @@ from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.cli.usage import Command, Group, JsonReportCommand
 from quantize_moe.console import console, count_progress, human_bytes, short_float, stdout
 from quantize_moe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_USAGE, UsageError, UserError
-from quantize_moe.cli.calibration import (Activations, CalibrationFile, CalibrationLength, CalibrationSamples, KvCache,
-                                          RoutedOnly, calibration_for)
+from quantize_moe.cli import calibration as calibrated
 from quantize_moe.plan.options import FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, SCHEME_CHOICES, Options
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, cls=Group)
@@ -133,38 +132,35 @@ def quantize(
         min=1, metavar="N", help="Work items in flight at once, spread over the devices (default: one per core "
                                  f"on cpu, {GPU_WORKERS_PER_DEVICE} per GPU).")] = None,
     wide: Wide = False,
-    activations: Activations = "dynamic",
-    kv_cache: KvCache = None,
-    calibration: CalibrationFile = None,
-    calibration_samples: CalibrationSamples = None,
-    calibration_length: CalibrationLength = 512,
-    calibration_routed_only: RoutedOnly = False,
+    activations: calibrated.Activations = "dynamic",
+    kv_cache: calibrated.KvCache = None,
+    calibration: calibrated.CalibrationFile = None,
+    calibration_samples: calibrated.CalibrationSamples = None,
+    calibration_length: calibrated.CalibrationLength = 512,
+    calibration_routed_only: calibrated.RoutedOnly = False,
 ) -> None:
     """Write an FP8 copy of SRC into DST.
 
     Weights and scales, config.json with quantization_config, a manifest of every file's size and
-    digest, a model card, and every other file of SRC unchanged. With --activations static or
-    --kv-cache fp8, SRC is first run layer by layer over the calibration tokens."""
+    digest, a model card, and every other file of SRC unchanged."""
     from quantize_moe.source.hub import open_source
     from quantize_moe.publish.model_card import record_run, write_card
-    from quantize_moe.cli.report import calibration_table, decisions_table, run_table
+    from quantize_moe.cli.report import decisions_table, run_table
     from quantize_moe.write.job import quantize_checkpoint
 
     options = Options(experts_only=experts_only, scheme=scheme, format=format_,
                       max_shard_size=_shard_size(max_shard_size), adapter=adapter, requantize=requantize,
-                      activations=activations, kv_cache=kv_cache,
-                      calibration=None if calibration is None else str(calibration),
+                      activations=activations, kv_cache=kv_cache, calibration=calibration and str(calibration),
                       calibration_samples=calibration_samples, calibration_length=calibration_length,
                       calibration_routed_only=calibration_routed_only)
     with open_source(src, stream=stream, scratch=dst / STREAM_SCRATCH, allow_pickle=allow_pickle) as checkpoint:
         summary = quantize_checkpoint(checkpoint, dst, options, overwrite=overwrite, resume=resume,
                                       show_progress=progress, device=device, workers=workers,
-                                      calibration=calibration_for(options, checkpoint.folder, device))
+                                      calibration=calibrated.calibration_for(options, checkpoint.folder, device))
         record_run(dst, checkpoint, src, summary.plan.options, summary.activation_amax)
     write_card(dst, push_to_hub)
     stdout.print(decisions_table(summary.plan, wide))
-    if summary.activation_amax is not None:
-        stdout.print(calibration_table(summary.activation_amax))
+    calibrated.print_measured(summary.activation_amax)
     stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
     _print_auto_choice(options, summary.plan)
     stdout.print(f"[green]wrote[/] {dst}")

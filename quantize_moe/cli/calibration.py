@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from quantize_moe.console import console
+from quantize_moe.console import console, stdout
 from quantize_moe.plan.options import ACTIVATION_CHOICES, KV_CACHE_CHOICES, Options
 
 Activations = Annotated[Literal[ACTIVATION_CHOICES], typer.Option(
@@ -50,3 +50,11 @@ def calibration_for(options: Options, src: Path, device: str):
         return calibrate(SourceReader(plan.checkpoint), batches, first_device, options.calibration_routed_only,
                          activations=options.activations == "static", kv_cache=options.kv_cache is not None)
     return Calibration(tokens_digest(batches), measure)
+
+
+def print_measured(amax) -> None:
+    """The per-layer table of what calibration measured, when the run calibrated."""
+    if amax is not None:
+        from quantize_moe.cli.report import calibration_table
+
+        stdout.print(calibration_table(amax))
