@@ -1,5 +1,6 @@
 """The layer-streamed executor computes what transformers' own full-model forward computes."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.run.executor import LayerStreamedModel
 from quantize_moe.source.checkpoint import Checkpoint
-from quantize_moe.source.tiny import build_tiny_checkpoint
+from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
 TRAINED = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "tiny-mixtral-trained"
 
@@ -28,9 +29,13 @@ def _perplexities(folder: Path, batches: list[torch.Tensor]) -> tuple[float, flo
     return torch.exp(got / tokens).item(), torch.exp(want / tokens).item()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_streamed_perplexity_matches_transformers(family, tmp_path):
-    folder = build_tiny_checkpoint(family, tmp_path / family)
+@pytest.mark.parametrize("family, overrides", [
+    *((family, {}) for family in TINY_CONFIGS),
+    ("granitemoe", dict(logits_scaling=4.0)),  # done by the causal LM after the base model
+    ("mixtral", dict(tie_word_embeddings=True)),
+])
+def test_streamed_perplexity_matches_transformers(family, overrides, tmp_path):
+    folder = build_tiny_checkpoint(family, tmp_path / family, **overrides)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 128, (2, 24), generator=generator) for _ in range(2)]
     got, want = _perplexities(folder, batches)
@@ -50,3 +55,11 @@ def test_token_out_of_vocab_is_one_sentence(tmp_path):
     folder = build_tiny_checkpoint("mixtral", tmp_path / "m")
     with pytest.raises(UserError, match="outside the vocabulary"):
         list(LayerStreamedModel(SourceReader(Checkpoint(folder))).logits([torch.full((1, 4), 500)]))
+
+
+def test_family_transformers_cannot_build_is_one_sentence(tmp_path):
+    folder = build_tiny_checkpoint("mixtral", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "not_a_family"}))
+    with pytest.raises(UserError, match="transformers cannot build the layers of .* offline"):
+        LayerStreamedModel(SourceReader(Checkpoint(folder), adapter="generic"))

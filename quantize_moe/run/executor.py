@@ -1,9 +1,12 @@
 """A layer-streamed forward pass: embeddings, each decoder layer, final norm and lm_head, built by transformers
 on the meta device and loaded one stage at a time from the checkpoint (FP8 weights dequantized by
-SourceReader, FP8 activations rounded as the checkpoint declares: run/activations.py), so peak memory is one layer plus the activations of the token batches, never the model.
+SourceReader, FP8 activations rounded as the checkpoint declares: run/activations.py), so peak memory is
+one layer plus the activations of the token batches, never the model.
 
-Masks, position ids and rotary embeddings are whatever the family's own `*Model.forward` passes each layer:
-they are captured by running that forward once per batch with recorders in place of the layers."""
+Masks, position ids and rotary embeddings are whatever the family's own base-model forward passes each
+layer: they are captured by running that forward once per batch with recorders in place of the layers. The
+logits come from the family's own `*ForCausalLM.forward` with the base model replaced by the final norm, so
+what a family does after it (Granite's logit scaling) is done too."""
 
 from __future__ import annotations
 
@@ -34,6 +37,31 @@ class _Recorder(torch.nn.Module):
         return hidden_states
 
 
+class _BaseOutput:
+    """What a base model returns to its causal LM: the last hidden state, nothing else (no cache, no router
+    logits: those are None, as without `use_cache` and `output_router_logits`)."""
+
+    def __init__(self, last_hidden_state: torch.Tensor):
+        self.last_hidden_state = last_hidden_state
+
+    def __getattr__(self, name):
+        return None
+
+    def __getitem__(self, index):
+        return (self.last_hidden_state,)[index]
+
+
+class _FinalNorm(torch.nn.Module):
+    """Stands in for the base model in the causal LM's forward: the final norm of the given hidden states."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm, self.states = norm, None
+
+    def forward(self, *args, **kwargs):
+        return _BaseOutput(self.norm(self.states))
+
+
 class LayerStreamedModel:
     """The causal LM of a checkpoint, evaluated stage by stage over a list of token batches."""
 
@@ -55,15 +83,29 @@ class LayerStreamedModel:
                             "this family cannot be run layer by layer.") from None
         self.config = self.model.config
         self.conversions = get_model_conversion_mapping(self.model, None, None)
-        self.layers = self.model.model.layers
+        self.names = {module: name for name, module in self.model.named_modules()}
+        # The decoder layers are the first ModuleList (the embeddings come before them); their parent is
+        # the base model (`model`, DBRX's `transformer`), whose other child with weights is the final norm.
+        layers = next((name for name, m in self.model.named_modules() if isinstance(m, torch.nn.ModuleList)), None)
+        self.base_name = layers.rpartition(".")[0] if layers else ""
+        self.base = self.model.get_submodule(self.base_name)
+        self.embed, self.lm_head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        norms = [m for m in self.base.children() if m is not self.embed and not isinstance(m, torch.nn.ModuleList)
+                 and next(m.parameters(), None) is not None]
+        if not self.base_name or len(norms) != 1 or self.lm_head is None:
+            raise UserError(f"'{folder}' is a {type(self.model).__name__}, whose decoder layers, final norm and "
+                            "lm_head are not laid out as in a causal LM; it cannot be run layer by layer.")
+        self.layers, self.norm = self.model.get_submodule(layers), norms[0]
 
-    def _materialise(self, module: torch.nn.Module, prefixes: tuple[str, ...], what: str) -> None:
-        """Load the checkpoint tensors under `prefixes` into the meta model through transformers' own
-        checkpoint-to-module conversions (fused experts, renamings); every tensor of `module` must get one."""
+    def _materialise(self, module: torch.nn.Module, what: str, prefix: str | None = None) -> None:
+        """Load the checkpoint tensors under `module`'s name (or `prefix`) into the meta model through
+        transformers' own checkpoint-to-module conversions (fused experts, renamings); every tensor of
+        `module` must get one."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        state = {name: self.reader.get(name) for name in self.reader.names if name.startswith(prefixes)}
+        prefix = prefix or self.names[module] + "."
+        state = {name: self.reader.get(name) for name in self.reader.names if name.startswith(prefix)}
         convert_and_load_state_dict_in_model(self.model, state, LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self.conversions))
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
@@ -75,12 +117,11 @@ class LayerStreamedModel:
     @torch.no_grad()
     def _layer_inputs(self, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[tuple]]]:
         """Embedded hidden states per batch and, per batch, the (args, kwargs) each layer receives."""
-        embed = self.model.get_input_embeddings()
-        self._materialise(embed, ("model.embed_tokens.",), "the input embeddings")
-        rotary = getattr(self.model.model, "rotary_emb", None)
+        self._materialise(self.embed, "the input embeddings")
+        rotary = getattr(self.base, "rotary_emb", None)
         if rotary is not None:  # its buffers are computed at construction, not stored
             with torch.device(self.device):
-                self.model.model.rotary_emb = type(rotary)(config=self.config)
+                self.base.rotary_emb = type(rotary)(config=self.config)
         originals = list(self.layers)
         hidden, per_layer = [], []
         try:
@@ -89,7 +130,7 @@ class LayerStreamedModel:
                 for index in range(len(originals)):
                     self.layers[index] = _Recorder(calls, index == len(originals) - 1)
                 try:
-                    self.model.model(input_ids=batch.to(self.device), use_cache=False)
+                    self.base(input_ids=batch.to(self.device), use_cache=False)
                 except _Captured:
                     pass
                 hidden.append(calls[0][0])
@@ -97,11 +138,11 @@ class LayerStreamedModel:
         finally:
             for index, layer in enumerate(originals):
                 self.layers[index] = layer
-            embed.to("meta")
+            self.embed.to("meta")
         return hidden, per_layer
 
     def check_tokens(self, batches: list[torch.Tensor]) -> None:
-        vocab = self.config.vocab_size
+        vocab = self.embed.num_embeddings
         for batch in batches:
             if batch.numel() and (int(batch.min()) < 0 or int(batch.max()) >= vocab):
                 raise UserError(f"Token id {int(batch.max())} is outside the vocabulary of "
@@ -110,11 +151,11 @@ class LayerStreamedModel:
     @torch.no_grad()
     def hidden_states(self, batches: list[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(layer index, output hidden states per batch) after each decoder layer, in order; only one
-        layer's weights are in memory at a time."""
+        layer's weights are in memory at a time, and none while the caller holds a yielded value."""
         self.check_tokens(batches)
         hidden, per_layer = self._layer_inputs(batches)
         for index, layer in enumerate(self.layers):
-            self._materialise(layer, (f"model.layers.{index}.",), f"layer {index}")
+            self._materialise(layer, f"layer {index}")
             with activations_as_declared(self.reader, layer, index):
                 for b, calls in enumerate(per_layer):
                     args, kwargs = calls[index]
@@ -124,24 +165,50 @@ class LayerStreamedModel:
             yield index, hidden
 
     @torch.no_grad()
+    def outputs_of(self, batches: list[torch.Tensor], modules: dict[int, str]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(layer, outputs `[tokens, ...]` of every batch) of the submodule named `modules[layer]` (a path
+        inside that decoder layer, e.g. the norm whose output enters its MoE block), after each such layer."""
+        captured: list[torch.Tensor] = []
+        handles = []
+        try:
+            for index, name in modules.items():
+                try:
+                    submodule = self.layers[index].get_submodule(name)
+                except (AttributeError, IndexError):
+                    raise UserError(f"Layer {index} of '{self.reader.checkpoint.folder}' has no module '{name}' "
+                                    "in transformers' model of this family.") from None
+                handles.append(submodule.register_forward_hook(
+                    lambda _, __, out: captured.append((out[0] if isinstance(out, tuple) else out).flatten(0, -2))))
+            for index, _ in self.hidden_states(batches):
+                if index in modules:
+                    yield index, torch.cat(captured)
+                captured.clear()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def head(self, hidden: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Float32 logits per batch of the last layer's hidden states, through the family's causal-LM forward."""
+        self._materialise(self.norm, "the final norm")
+        if getattr(self.config, "tie_word_embeddings", False):
+            self._materialise(self.embed, "the tied embeddings")
+            self.lm_head.weight = self.embed.weight
+        else:
+            self._materialise(self.lm_head, "lm_head")
+        final = _FinalNorm(self.norm)
+        self.model.set_submodule(self.base_name, final)
+        try:
+            for states in hidden:
+                final.states = states
+                yield self.model(input_ids=torch.zeros(states.shape[:2], dtype=torch.long)).logits.float()
+        finally:
+            self.model.set_submodule(self.base_name, self.base)
+            self.model.to("meta")
+
     def logits(self, batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Float32 logits per batch, computed after the last layer."""
+        """Float32 logits per batch: every layer, then the head."""
         hidden = []
         for _, hidden in self.hidden_states(batches):
             pass
-        norm, head = self.model.model.norm, self.model.get_output_embeddings()
-        head_prefix = "model.embed_tokens." if getattr(self.config, "tie_word_embeddings", False) else "lm_head."
-        self._materialise(norm, ("model.norm.",), "the final norm")
-        if head_prefix == "lm_head.":
-            self._materialise(head, ("lm_head.",), "lm_head")
-            weight = head.weight
-        else:
-            embed = self.model.get_input_embeddings()
-            self._materialise(embed, (head_prefix,), "the tied embeddings")
-            weight = embed.weight
-        try:
-            for states in hidden:
-                yield torch.nn.functional.linear(norm(states), weight).float()
-        finally:
-            norm.to("meta")
-            self.model.to("meta")
+        yield from self.head(hidden)

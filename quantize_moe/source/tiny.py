@@ -22,6 +22,10 @@ _ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, 
                   max_position_embeddings=128, tie_word_embeddings=False,
                   initializer_range=0.125)  # unit-variance pre-activations at hidden 64, as in real models
 
+# Multi-head latent attention gives every head its own key and value (real configs say so), and
+# transformers' attention repeats keys num_heads // num_key_value_heads times: a smaller value breaks it.
+_MLA = dict(_ATTENTION, num_key_value_heads=4)
+
 TINY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(_ATTENTION, intermediate_size=96, num_hidden_layers=2, num_local_experts=4,
                     num_experts_per_tok=2),
@@ -30,11 +34,11 @@ TINY_CONFIGS: dict[str, dict] = {
                       num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=False),
     "qwen3_moe": dict(_ATTENTION, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16),
-    "deepseek_v3": dict(_ATTENTION, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    "deepseek_v3": dict(_MLA, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
                         topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5),
-    "deepseek_v2": dict(_ATTENTION, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    "deepseek_v2": dict(_MLA, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=8, topk_method="greedy"),
