@@ -1,10 +1,11 @@
 """`quantize-moe evaluate`: both models streamed over the same tokens, thresholds, bad data."""
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from quantize_moe.cli.app import app
@@ -69,3 +70,47 @@ def test_llama4_written_per_expert_is_refused_in_one_sentence(pair, tmp_path):
     result = runner.invoke(app, ["evaluate", str(tmp_path / "src"), str(tmp_path / "dst"), "--data",
                                  str(pair / "ids.safetensors")])
     assert result.exit_code == 1 and "cannot be run layer by layer" in " ".join(result.output.split())
+
+
+def test_hidden_state_error_per_layer_points_at_a_damaged_layer(pair, tmp_path):
+    clean = json.loads(_run(pair, "--json", "-", "--min-top1", "0").output)["layers"]
+    assert [row["layer"] for row in clean] == [0, 1] and all(0 < row["relative_error"] < 0.2 for row in clean)
+    same = runner.invoke(app, ["evaluate", str(pair / "src"), str(pair / "src"), "--data",
+                               str(pair / "ids.safetensors"), "--json", "-"])
+    assert all(row["relative_error"] == 0 for row in json.loads(same.output)["layers"])
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pair / "dst", damaged)
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight_scale"
+    shard = damaged / "model.safetensors"  # one shard at this size
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * 4
+    save_file(tensors, shard, metadata={"format": "pt"})
+    result = runner.invoke(app, ["evaluate", str(pair / "src"), str(damaged), "--data",
+                                 str(pair / "ids.safetensors"), "--json", "-", "--min-top1", "0", "--max-kl", "1"])
+    assert result.exit_code == 0, result.output
+    layers = json.loads(result.output)["layers"]
+    assert layers[0]["relative_error"] == pytest.approx(clean[0]["relative_error"])
+    assert layers[1]["relative_error"] > 2 * clean[1]["relative_error"]
+
+
+def test_card_gets_the_tables_and_verify_still_passes(pair, tmp_path):
+    dst = tmp_path / "dst"
+    assert runner.invoke(app, ["quantize", str(pair / "src"), str(dst), "--no-progress"]).exit_code == 0
+    result = runner.invoke(app, ["evaluate", str(pair / "src"), str(dst), "--data", str(pair / "ids.safetensors"),
+                                 "--min-top1", "0", "--card"])
+    assert result.exit_code == 0, result.output
+    assert "Hidden-state error" in result.output
+    card = (dst / "README.md").read_text()
+    report = json.loads((dst / "evaluation.json").read_text())
+    assert "## Evaluation" in card and f"| perplexity ratio | {report['perplexity_ratio']:.3g} |" in card
+    assert f"| 1 | {report['layers'][1]['relative_error']:.3g} |" in card
+    verified = runner.invoke(app, ["verify", str(dst)])
+    assert verified.exit_code == 0, verified.output
+
+
+def test_card_needs_a_folder_quantize_wrote(pair):
+    result = runner.invoke(app, ["evaluate", str(pair / "src"), str(pair / "src"), "--data",
+                                 str(pair / "ids.safetensors"), "--card"])
+    assert result.exit_code == 1 and "--card needs a DST written by" in result.output
+    assert not (pair / "src" / "evaluation.json").exists()

@@ -1,5 +1,6 @@
 """`evaluate`: the original and the FP8 model streamed layer by layer over the same tokens, compared where a
-user sees them: perplexity of each and their ratio, KL(bf16 || fp8) per token, top-1 agreement."""
+user sees them: perplexity of each and their ratio, KL(bf16 || fp8) per token, top-1 agreement, and where
+the error comes from: the relative error of the hidden states after each decoder layer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from quantize_moe.adapters.reader import SourceReader
+from quantize_moe.errors import UserError
 from quantize_moe.run.executor import LayerStreamedModel
 from quantize_moe.source.checkpoint import Checkpoint
 
@@ -22,6 +24,12 @@ class EvalThresholds:
 
 
 @dataclass
+class LayerError:
+    layer: int
+    relative_error: float  # ||h_fp8 - h_bf16|| / ||h_bf16|| over every token, after this decoder layer
+
+
+@dataclass
 class EvalReport:
     tokens: int
     src_perplexity: float
@@ -30,38 +38,47 @@ class EvalReport:
     mean_kl: float
     top1_agreement: float
     passed: bool
+    layers: list[LayerError]
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def _streamed_logits(folder: Path, batches: list[torch.Tensor], device: str):
-    reader = SourceReader(Checkpoint(folder))
-    try:
-        yield from LayerStreamedModel(reader, device).logits(batches)
-    finally:
-        reader.close()
+def _open(folder: Path, device: str) -> LayerStreamedModel:
+    return LayerStreamedModel(SourceReader(Checkpoint(folder)), device)
 
 
 def evaluate(src: Path, dst: Path, batches: list[torch.Tensor], device: str = "cpu",
              thresholds: EvalThresholds = EvalThresholds()) -> EvalReport:
-    """Stream both models side by side and compare batch by batch. Each generator runs all its layers
-    before its first batch of logits, so memory holds one layer at a time, both models' hidden states,
-    and one batch of logits of each, never N x T x V."""
-    nll_src = nll_dst = kl = agree = 0.0
-    count = 0
-    for batch, ref, logits in zip(batches, _streamed_logits(src, batches, device),
-                                  _streamed_logits(dst, batches, device)):
-        target = batch[:, 1:].to(logits.device).flatten()
-        p_log = torch.log_softmax(ref[:, :-1], -1).flatten(0, 1)
-        q_log = torch.log_softmax(logits[:, :-1], -1).flatten(0, 1)
-        nll_src -= p_log.gather(1, target[:, None]).sum().item()
-        nll_dst -= q_log.gather(1, target[:, None]).sum().item()
-        kl += (p_log.exp() * (p_log - q_log)).sum().item()
-        agree += (p_log.argmax(-1) == q_log.argmax(-1)).sum().item()
-        count += target.numel()
+    """Stream both models side by side, layer by layer and then batch by batch. Each model frees its layer
+    before handing over its hidden states, so memory holds one layer at a time, both models' hidden
+    states, and one batch of logits of each, never N x T x V."""
+    original, quantized = _open(src, device), _open(dst, device)
+    if len(original.layers) != len(quantized.layers):
+        raise UserError(f"SRC '{src}' has {len(original.layers)} decoder layers and DST '{dst}' "
+                        f"{len(quantized.layers)}; is DST made from SRC?")
+    layers, ref_hidden, hidden = [], [], []
+    try:
+        for (index, ref_hidden), (_, hidden) in zip(original.hidden_states(batches), quantized.hidden_states(batches)):
+            error = sum((h.float() - r.float()).square().sum() for h, r in zip(hidden, ref_hidden))
+            norm = sum(r.float().square().sum() for r in ref_hidden)
+            layers.append(LayerError(index, (error / norm.clamp_min(1e-30)).sqrt().item()))
+        nll_src = nll_dst = kl = agree = 0.0
+        count = 0
+        for batch, ref, logits in zip(batches, original.head(ref_hidden), quantized.head(hidden)):
+            target = batch[:, 1:].to(logits.device).flatten()
+            p_log = torch.log_softmax(ref[:, :-1], -1).flatten(0, 1)
+            q_log = torch.log_softmax(logits[:, :-1], -1).flatten(0, 1)
+            nll_src -= p_log.gather(1, target[:, None]).sum().item()
+            nll_dst -= q_log.gather(1, target[:, None]).sum().item()
+            kl += (p_log.exp() * (p_log - q_log)).sum().item()
+            agree += (p_log.argmax(-1) == q_log.argmax(-1)).sum().item()
+            count += target.numel()
+    finally:
+        original.reader.close()
+        quantized.reader.close()
     src_ppl, dst_ppl = math.exp(nll_src / count), math.exp(nll_dst / count)
     ratio, mean_kl, top1 = dst_ppl / src_ppl, kl / count, agree / count
     passed = (ratio <= thresholds.max_perplexity_ratio and mean_kl <= thresholds.max_kl
               and top1 >= thresholds.min_top1)
-    return EvalReport(count, src_ppl, dst_ppl, ratio, mean_kl, top1, passed)
+    return EvalReport(count, src_ppl, dst_ppl, ratio, mean_kl, top1, passed, layers)

@@ -401,20 +401,27 @@ def evaluate(
     max_perplexity_ratio: Annotated[float, typer.Option(help="Fail above this perplexity ratio FP8 / original.")] = 1.02,
     max_kl: Annotated[float, typer.Option(help="Fail above this mean KL per token.")] = 0.05,
     min_top1: Annotated[float, typer.Option(help="Fail below this top-1 agreement.")] = 0.9,
+    card: Annotated[bool, typer.Option(help="Keep the report in DST (evaluation.json) and put its tables into "
+                                            "DST's model card, both recorded in its manifest.")] = False,
 ) -> None:
-    """Compare SRC and DST end to end: perplexity, KL, top-1 agreement.
+    """Compare SRC and DST end to end: perplexity, KL, top-1 agreement, hidden-state error per layer.
 
     Both are streamed layer by layer (one layer in memory at a time). Exit 3 when a threshold fails."""
     from quantize_moe.check.streamed_eval import EvalThresholds, evaluate as run_evaluation
     from quantize_moe.run.tokens import load_tokens
     from quantize_moe.cli.report import evaluation_table
+    from quantize_moe.publish.model_card import check_card_target, record_evaluation
 
     for folder in (src, dst):
         if not folder.is_dir():
             raise UserError(f"'{folder}' is not a checkpoint folder.")
+    if card:
+        check_card_target(dst)
     batches = load_tokens(data, src, length, samples)
     report = run_evaluation(src, dst, batches, device, EvalThresholds(max_perplexity_ratio, max_kl, min_top1))
     _emit(json.dumps(report.to_json(), indent=2), json_output, json_out, lambda: evaluation_table(report))
+    if card:
+        record_evaluation(dst, report.to_json())
     if not report.passed:
         console.print("[bold red]evaluation failed[/]: a threshold was not met")
         raise typer.Exit(EXIT_CHECK_FAILED)

@@ -169,8 +169,8 @@ def verify_table(report) -> Table:
     return table
 
 
-def evaluation_table(report) -> Table:
-    """The `evaluate` result: one row per measure, with the threshold it was held to."""
+def evaluation_table(report) -> Group:
+    """The `evaluate` result: one row per measure, then the hidden-state error after each decoder layer."""
     table = Table(title=f"End-to-end: FP8 against the original over {report.tokens} tokens")
     for column in ("measure", "value"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -180,7 +180,12 @@ def evaluation_table(report) -> Table:
     table.add_row("mean KL(orig || fp8) per token", short_float(report.mean_kl))
     table.add_row("top-1 agreement", f"{report.top1_agreement:.4f}")
     table.add_row("passed", "[green]yes[/]" if report.passed else "[red]NO[/]")
-    return table
+    layers = Table(title="Hidden-state error")
+    for column in ("layer", "relative error"):
+        layers.add_column(column, justify="right")  # relative: ||fp8 - orig|| / ||orig||
+    for row in report.layers:
+        layers.add_row(str(row.layer), f"{row.relative_error:.2e}")
+    return Group(table, layers)
 
 
 def calibration_table(amax) -> Table:

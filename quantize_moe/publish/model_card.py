@@ -2,7 +2,8 @@
 
 `quantize` writes `quantize_moe_run.json` (source, revision, options, the source card's
 license and language) and a card; `upload` rebuilds the card from the output as it is
-then, so a `validation.json` written later by `validate --json-out` lands in its table.
+then, so a `validation.json` written later by `validate --json-out` lands in its table, and
+`evaluate --card` records `evaluation.json` in the output and rebuilds the card at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from quantize_moe.errors import UserError
 from quantize_moe.source.hub import HubSource
 from quantize_moe.check.inventory import Inventory, take_inventory
 from quantize_moe.write.manifest import Manifest
-from quantize_moe.write.destination import CARD_NAME, RUN_RECORD, VALIDATION_REPORT, write_text
+from quantize_moe.write.destination import (CARD_NAME, EVALUATION_REPORT, RUN_RECORD, VALIDATION_REPORT,
+                                            write_text)
 from quantize_moe.plan.options import Options
 from quantize_moe.quantization.static import ActivationAmax
 
@@ -139,6 +141,37 @@ def _validation_section(dst: Path) -> str:
     return f"\n## Validation\n\nEach MoE layer, FP8 against bf16, from `quantize-moe validate`{where}:\n\n{table}\n"
 
 
+def _evaluation_section(dst: Path) -> str:
+    """`evaluation.json` (evaluate's JSON report) as the end-to-end measures and the per-layer error."""
+    path = dst / EVALUATION_REPORT
+    if not path.is_file():
+        return ""
+    try:
+        data = json.loads(path.read_text())
+        measures = [[key.replace("_", " "), _cell(data[key])] for key in
+                    ("tokens", "src_perplexity", "dst_perplexity", "perplexity_ratio", "mean_kl", "top1_agreement")]
+        layers = [[row["layer"], _cell(row["relative_error"])] for row in data["layers"]]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"'{path}' is not an evaluation report; write it with `quantize-moe evaluate --card`.") from None
+    return (f"\n## Evaluation\n\nThe whole model, FP8 against the original over the same tokens, from "
+            f"`quantize-moe evaluate`:\n\n{_markdown_table(['measure', 'value'], measures)}\n\n"
+            f"Relative error of the hidden states after each decoder layer:\n\n"
+            f"{_markdown_table(['layer', 'relative error'], layers)}\n")
+
+
+def check_card_target(dst: Path) -> None:
+    """Before a long evaluation: a card can only be rebuilt in a folder `quantize` wrote."""
+    if not (dst / RUN_RECORD).is_file():
+        raise UserError(f"'{dst / RUN_RECORD}' is missing; --card needs a DST written by `quantize-moe quantize`.")
+
+
+def record_evaluation(dst: Path, report: dict) -> None:
+    """Keep evaluate's report in DST (recorded in its manifest) and rebuild the card around it."""
+    check_card_target(dst)
+    _write_recorded(dst, EVALUATION_REPORT, json.dumps(report, indent=2) + "\n")
+    write_card(dst)
+
+
 def _cell(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
@@ -214,7 +247,7 @@ accuracy (routers, embeddings, norms, lm_head) is kept as in the original. Size 
 ## Engines
 
 {_engines_section(engines, repo)}
-{_validation_section(dst)}
+{_validation_section(dst)}{_evaluation_section(dst)}
 ## Reproduce
 
 {_reproduce_section(record)}"""

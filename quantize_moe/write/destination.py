@@ -26,9 +26,10 @@ MANIFEST_NAME = "quantize-moe-manifest.json"
 RUN_RECORD = "quantize_moe_run.json"
 CARD_NAME = "README.md"
 VALIDATION_REPORT = "validation.json"  # written by `quantize-moe validate SRC DST --json-out DST/validation.json`
+EVALUATION_REPORT = "evaluation.json"  # written by `quantize-moe evaluate SRC DST --card`
 # What a run of ours adds beside the checkpoint: when SRC is such an output (a round trip through
 # dequantize, or --requantize), these describe the old output and the new run writes its own.
-RUN_FILES = (MANIFEST_NAME, RUN_RECORD, CARD_NAME, VALIDATION_REPORT)
+RUN_FILES = (MANIFEST_NAME, RUN_RECORD, CARD_NAME, VALIDATION_REPORT, EVALUATION_REPORT)
 OUTPUT_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # the shard names this tool writes
 
 
