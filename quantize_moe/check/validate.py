@@ -2,7 +2,8 @@
 
 For every MoE layer, the bf16 experts of SRC and the FP8 experts of DST are loaded
 through the same weight loader into `FusedMoE` layers, fed the same hidden states
-(seeded, scaled by the layer's own input RMSNorm weight; or read from a file),
+(seeded, scaled by the layer's own input RMSNorm weight; read from a file; or captured at the
+output of that norm by the layer-streamed forward of SRC over real tokens),
 routed by the layer's real router weights with the family's rule (Llama-4's router
 weight scales the expert input, as in transformers), and compared. The FP8 side quantizes
 its activations as the checkpoint declares, with its static input scales if it has them. Families whose
@@ -95,11 +96,31 @@ def _reference(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> torch.Te
                                    **layer.quant_method.kernel_args(layer), compute_dtype=dtype)
 
 
-def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, *, tokens: int, seed: int,
-                   hidden_states_file: Path | None, device: torch.device, reference_dtype: torch.dtype,
-                   thresholds: Thresholds) -> LayerResult:
+def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.Tensor], device: torch.device,
+                     adapter: str | None):
+    """(layer, hidden states entering its MoE block) over `batches`, from the streamed forward of the
+    checkpoint: the output of the norm in front of the block, one decoder layer in memory at a time."""
+    from quantize_moe.adapters.reader import SourceReader
+    from quantize_moe.run.executor import LayerStreamedModel
+    from quantize_moe.source.checkpoint import Checkpoint
+
+    norms = {}
+    for layer in layers:
+        norm = moe.family.layer_tensor(moe.checkpoint.tensors, layer, rf"{moe.family.moe_input_norm}\.weight")
+        if norm is None:
+            raise UserError(f"'{moe.checkpoint.folder}' has no norm in front of MoE layer {layer}, where --data "
+                            "would read its hidden states; give --hidden-states instead.")
+        norms[layer] = norm.removesuffix(".weight")
+    reader = SourceReader(Checkpoint(moe.checkpoint.folder), adapter=adapter)
+    try:
+        yield from LayerStreamedModel(reader, str(device)).outputs_of(batches, norms)
+    finally:
+        reader.close()
+
+
+def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, x: torch.Tensor, *, device: torch.device,
+                   reference_dtype: torch.dtype, thresholds: Thresholds) -> LayerResult:
     info = src.layers[layer]
-    x = _hidden_states(src, layer, tokens, seed, hidden_states_file, device)
     router = {k: v.to(device) for k, v in src.load_router(layer).items()}
     x, weights, ids = route(x, router, src.family.routing_rule(src.config, router, layer))
 
@@ -143,10 +164,12 @@ def _check_same_model(source: MoECheckpoint, produced: MoECheckpoint, src, dst) 
 
 
 def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int = 0, device: str = "auto",
-             hidden_states_file: Path | None = None, layers: list[int] | None = None,
-             thresholds: Thresholds = Thresholds(), on_layer=None, adapter: str | None = None) -> ValidationReport:
+             hidden_states_file: Path | None = None, batches: list[torch.Tensor] | None = None,
+             layers: list[int] | None = None, thresholds: Thresholds = Thresholds(), on_layer=None,
+             adapter: str | None = None) -> ValidationReport:
     """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result.
-    `adapter="generic"` reads both through the generic adapter."""
+    Hidden states are drawn, read from `hidden_states_file`, or captured over the token `batches` by the
+    streamed forward of SRC. `adapter="generic"` reads both through the generic adapter."""
     source, produced = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     if source.spec.is_fp8:
         raise UserError(f"SRC '{src}' is already quantized; validate compares an unquantized SRC with DST.")
@@ -170,11 +193,15 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     free = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else 16 * 2**30
     reference_dtype = torch.float64 if 8 * weight_count < free // 4 else torch.float32
 
+    if batches is not None:
+        inputs = _streamed_inputs(source, chosen, batches, torch_device, adapter)
+    else:
+        inputs = ((layer, _hidden_states(source, layer, tokens, seed, hidden_states_file, torch_device))
+                  for layer in chosen)
     results = []
-    for layer in chosen:
-        result = validate_layer(source, produced, layer, tokens=tokens, seed=seed,
-                                hidden_states_file=hidden_states_file, device=torch_device,
-                                reference_dtype=reference_dtype, thresholds=thresholds)
+    for layer, x in inputs:
+        result = validate_layer(source, produced, layer, x, device=torch_device, reference_dtype=reference_dtype,
+                                thresholds=thresholds)
         results.append(result)
         if on_layer is not None:
             on_layer(result, len(chosen))

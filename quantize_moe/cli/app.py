@@ -327,6 +327,12 @@ def validate(
     seed: Annotated[int, typer.Option(help="Seed of the drawn hidden states.")] = 0,
     hidden_states: Annotated[Optional[Path], typer.Option(
         help="safetensors file of real hidden states: 'layers.{L}' per layer or one 'hidden_states' [T, H].")] = None,
+    data: Annotated[Optional[Path], typer.Option(metavar="FILE",
+        help="Capture each MoE layer's input by running SRC over these tokens: text (SRC's tokenizer) or "
+             "safetensors with 'input_ids' [N, T], as for evaluate.")] = None,
+    length: Annotated[int, typer.Option(min=2, metavar="N", help="Tokens per window when --data is text.")] = 512,
+    samples: Annotated[Optional[int], typer.Option(min=1, metavar="N",
+                                                   help="Use only the first N sequences of --data.")] = None,
     layers: Annotated[Optional[str], typer.Option(metavar="L,L",
                                                   help="Comma-separated MoE layers to check (default: all).")] = None,
     device: Annotated[str, typer.Option(metavar="DEVICE", help="auto, cuda, cuda:N or cpu.")] = "auto",
@@ -355,12 +361,19 @@ def validate(
         except ValueError:
             raise UsageError(f"--layers '{layers}' is not a comma-separated list of layer numbers.") from None
     thresholds = Thresholds(max_relative_error, min_cosine, max_kernel_error)
+    batches = None
+    if data is not None:
+        from quantize_moe.check.streamed_eval import load_tokens
+
+        if hidden_states is not None:
+            raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
+        batches = load_tokens(data, src, length, samples)
     if device == "auto" and not torch.cuda.is_available():
         console.print("no CUDA GPU here: running the torch reference path instead of the Triton kernels")
     with count_progress(progress and not json_output) as bar:
         task = bar.add_task("validating layers", total=None)
         report = run_validation(src, dst, tokens=tokens, seed=seed, device=device, hidden_states_file=hidden_states,
-                                layers=chosen, thresholds=thresholds, adapter=adapter,
+                                batches=batches, layers=chosen, thresholds=thresholds, adapter=adapter,
                                 on_layer=lambda _, total: bar.update(task, advance=1, total=total))
     _emit(json.dumps(report.to_json(), indent=2), json_output, json_out, lambda: validation_table(report, wide))
     if not report.passed:

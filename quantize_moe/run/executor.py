@@ -166,18 +166,18 @@ class LayerStreamedModel:
 
     @torch.no_grad()
     def outputs_of(self, batches: list[torch.Tensor], modules: dict[int, str]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(layer, outputs `[tokens, ...]` of every batch) of the submodule named `modules[layer]` (a path
-        inside that decoder layer, e.g. the norm whose output enters its MoE block), after each such layer."""
+        """(layer, outputs `[tokens, ...]` over every batch) of the module at path `modules[layer]` inside
+        decoder layer `layer` (e.g. the norm whose output enters its MoE block), after each such layer."""
         captured: list[torch.Tensor] = []
         handles = []
         try:
-            for index, name in modules.items():
+            for index, path in modules.items():
                 try:
-                    submodule = self.layers[index].get_submodule(name)
-                except (AttributeError, IndexError):
-                    raise UserError(f"Layer {index} of '{self.reader.checkpoint.folder}' has no module '{name}' "
-                                    "in transformers' model of this family.") from None
-                handles.append(submodule.register_forward_hook(
+                    module = self.model.get_submodule(path)
+                except AttributeError:
+                    raise UserError(f"transformers' model of '{self.reader.checkpoint.folder}' has no module "
+                                    f"'{path}' to read layer {index}'s hidden states from.") from None
+                handles.append(module.register_forward_hook(
                     lambda _, __, out: captured.append((out[0] if isinstance(out, tuple) else out).flatten(0, -2))))
             for index, _ in self.hidden_states(batches):
                 if index in modules:
