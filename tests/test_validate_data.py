@@ -59,6 +59,6 @@ def test_cli_data_and_its_conflict_with_hidden_states(tmp_path):
     assert [r["tokens"] for r in real_layers] == [3 * 17] * 2 and drawn_layers[0]["tokens"] == 512
     assert real_layers[0]["relative_error"] != drawn_layers[0]["relative_error"]
     both = runner.invoke(app, ["validate", str(src), str(dst), "--data", str(ids), "--hidden-states", str(ids)])
-    assert both.exit_code == 1 and "pass one of them" in both.output
+    assert both.exit_code == 2 and "pass one of them" in both.output
     bad = runner.invoke(app, ["validate", str(src), str(dst), "--data", str(tmp_path / "absent.safetensors")])
     assert bad.exit_code == 1 and "does not exist" in bad.output and "Traceback" not in bad.output

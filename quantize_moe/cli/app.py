@@ -331,8 +331,7 @@ def validate(
         help="Capture each MoE layer's input by running SRC over these tokens: text (SRC's tokenizer) or "
              "safetensors with 'input_ids' [N, T], as for evaluate.")] = None,
     length: Annotated[int, typer.Option(min=2, metavar="N", help="Tokens per window when --data is text.")] = 512,
-    samples: Annotated[Optional[int], typer.Option(min=1, metavar="N",
-                                                   help="Use only the first N sequences of --data.")] = None,
+    samples: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Only the first N sequences of --data.")] = None,
     layers: Annotated[Optional[str], typer.Option(metavar="L,L",
                                                   help="Comma-separated MoE layers to check (default: all).")] = None,
     device: Annotated[str, typer.Option(metavar="DEVICE", help="auto, cuda, cuda:N or cpu.")] = "auto",
@@ -361,13 +360,10 @@ def validate(
         except ValueError:
             raise UsageError(f"--layers '{layers}' is not a comma-separated list of layer numbers.") from None
     thresholds = Thresholds(max_relative_error, min_cosine, max_kernel_error)
-    batches = None
-    if data is not None:
-        from quantize_moe.check.streamed_eval import load_tokens
-
-        if hidden_states is not None:
-            raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
-        batches = load_tokens(data, src, length, samples)
+    if data is not None and hidden_states is not None:
+        raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
+    from quantize_moe.check.streamed_eval import load_tokens
+    batches = load_tokens(data, src, length, samples) if data is not None else None
     if device == "auto" and not torch.cuda.is_available():
         console.print("no CUDA GPU here: running the torch reference path instead of the Triton kernels")
     with count_progress(progress and not json_output) as bar:
@@ -414,10 +410,9 @@ def evaluate(
     max_perplexity_ratio: Annotated[float, typer.Option(help="Fail above this perplexity ratio FP8 / original.")] = 1.02,
     max_kl: Annotated[float, typer.Option(help="Fail above this mean KL per token.")] = 0.05,
     min_top1: Annotated[float, typer.Option(help="Fail below this top-1 agreement.")] = 0.9,
-    card: Annotated[bool, typer.Option(help="Keep the report in DST (evaluation.json) and put its tables into "
-                                            "DST's model card, both recorded in its manifest.")] = False,
+    card: Annotated[bool, typer.Option(help="Keep the report in DST (evaluation.json) and its tables in DST's card.")] = False,
 ) -> None:
-    """Compare SRC and DST end to end: perplexity, KL, top-1 agreement, hidden-state error per layer.
+    """Compare SRC and DST end to end: perplexity, KL, layer errors.
 
     Both are streamed layer by layer (one layer in memory at a time). Exit 3 when a threshold fails."""
     from quantize_moe.check.streamed_eval import EvalThresholds, evaluate as run_evaluation

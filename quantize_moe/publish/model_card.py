@@ -124,39 +124,50 @@ def _contents_table(inventory: Inventory) -> str:
     return _markdown_table(["tensors", "stored as", "count", "size", "why kept"], rows)
 
 
+def _read_report(dst: Path, name: str, parse, what: str):
+    """The JSON report `name` of DST through `parse`, None when absent; one sentence when it is not `what`."""
+    path = dst / name
+    if not path.is_file():
+        return None
+    try:
+        return parse(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise UserError(f"'{path}' is not {what}.") from None
+
+
+def _validation_rows(data) -> tuple[list[str], list[dict], str]:
+    rows = data["layers"] if isinstance(data, dict) else data
+    where = f" on {data['device']}" if isinstance(data, dict) and data.get("device") else ""
+    return list(dict.fromkeys(k for row in rows for k in row)), rows, where
+
+
 def _validation_section(dst: Path) -> str:
     """`validation.json` (validate's JSON report: row objects under "layers") as a table, one column per key."""
-    path = dst / VALIDATION_REPORT
-    if not path.is_file():
+    report = _read_report(dst, VALIDATION_REPORT, _validation_rows, "a validation report (a list of row objects, "
+                          "or one under 'layers'); write it with `quantize-moe validate --json-out`")
+    if report is None:
         return ""
-    try:
-        data = json.loads(path.read_text())
-        rows = data["layers"] if isinstance(data, dict) else data
-        header = list(dict.fromkeys(k for row in rows for k in row))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise UserError(f"'{path}' is not a validation report (a list of row objects, or one under 'layers'); "
-                        "write it with `quantize-moe validate --json-out`.") from None
+    header, rows, where = report
     table = _markdown_table(header, [[_cell(row.get(k, "")) for k in header] for row in rows])
-    where = f" on {data['device']}" if isinstance(data, dict) and data.get("device") else ""
     return f"\n## Validation\n\nEach MoE layer, FP8 against bf16, from `quantize-moe validate`{where}:\n\n{table}\n"
+
+
+def _evaluation_tables(data: dict) -> tuple[str, str]:
+    measures = [[key.replace("_", " "), _cell(data[key])] for key in
+                ("tokens", "src_perplexity", "dst_perplexity", "perplexity_ratio", "mean_kl", "top1_agreement")]
+    layers = [[row["layer"], _cell(row["relative_error"])] for row in data["layers"]]
+    return _markdown_table(["measure", "value"], measures), _markdown_table(["layer", "relative error"], layers)
 
 
 def _evaluation_section(dst: Path) -> str:
     """`evaluation.json` (evaluate's JSON report) as the end-to-end measures and the per-layer error."""
-    path = dst / EVALUATION_REPORT
-    if not path.is_file():
+    tables = _read_report(dst, EVALUATION_REPORT, _evaluation_tables,
+                          "an evaluation report; write it with `quantize-moe evaluate --card`")
+    if tables is None:
         return ""
-    try:
-        data = json.loads(path.read_text())
-        measures = [[key.replace("_", " "), _cell(data[key])] for key in
-                    ("tokens", "src_perplexity", "dst_perplexity", "perplexity_ratio", "mean_kl", "top1_agreement")]
-        layers = [[row["layer"], _cell(row["relative_error"])] for row in data["layers"]]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"'{path}' is not an evaluation report; write it with `quantize-moe evaluate --card`.") from None
     return (f"\n## Evaluation\n\nThe whole model, FP8 against the original over the same tokens, from "
-            f"`quantize-moe evaluate`:\n\n{_markdown_table(['measure', 'value'], measures)}\n\n"
-            f"Relative error of the hidden states after each decoder layer:\n\n"
-            f"{_markdown_table(['layer', 'relative error'], layers)}\n")
+            f"`quantize-moe evaluate`:\n\n{tables[0]}\n\nRelative error of the hidden states after each "
+            f"decoder layer:\n\n{tables[1]}\n")
 
 
 def check_card_target(dst: Path) -> None:
