@@ -24,9 +24,10 @@ _LIBC = ctypes.CDLL(None)
 
 
 def _return_freed_memory() -> None:
-    """Hand the heap pages of a freed layer back to the system: glibc raises its mmap threshold to the size
-    of the largest block freed, so later layers' tensors come from the heap, and freeing them there
-    leaves them counted in the process (measured: about one layer more per layer, scripts/bench_evaluate.py)."""
+    """Hand the heap pages of freed tensors (a layer's load, a layer) back to the system: glibc raises its
+    mmap threshold to the size of the largest block freed, so later tensors come from the heap, and freeing
+    them there leaves them counted in the process (measured: about one layer more per layer, and 1.5 layers
+    after each FP8 load; scripts/bench_evaluate.py, docs/performance.md)."""
     if hasattr(_LIBC, "malloc_trim"):  # glibc; other C libraries return large blocks themselves
         _LIBC.malloc_trim(0)
 
@@ -118,8 +119,11 @@ class LayerStreamedModel:
 
         prefix = prefix or self.names[module] + "."
         state = {name: self.reader.get(name) for name in self.reader.names if name.startswith(prefix)}
+        _return_freed_memory()  # the float32 intermediates of dequantizing FP8 tensors
         convert_and_load_state_dict_in_model(self.model, state, LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self.conversions))
+        del state  # the per-expert tensors transformers fused into copies
+        _return_freed_memory()
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
         if missing:
             raise UserError(f"The checkpoint '{self.reader.checkpoint.folder}' has no tensor for {what} "
