@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from quantize_moe.check.thresholds import Thresholds
-from quantize_moe.errors import UserError
+from quantize_moe.errors import UsageError, UserError
 from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
@@ -170,6 +170,8 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result.
     Hidden states are drawn, read from `hidden_states_file`, or captured over the token `batches` by the
     streamed forward of SRC. `adapter="generic"` reads both through the generic adapter."""
+    if batches is not None and hidden_states_file is not None:
+        raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
     source, produced = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     if source.spec.is_fp8:
         raise UserError(f"SRC '{src}' is already quantized; validate compares an unquantized SRC with DST.")

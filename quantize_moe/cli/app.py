@@ -327,9 +327,7 @@ def validate(
     seed: Annotated[int, typer.Option(help="Seed of the drawn hidden states.")] = 0,
     hidden_states: Annotated[Optional[Path], typer.Option(
         help="safetensors file of real hidden states: 'layers.{L}' per layer or one 'hidden_states' [T, H].")] = None,
-    data: Annotated[Optional[Path], typer.Option(metavar="FILE",
-        help="Capture each MoE layer's input by running SRC over these tokens: text (SRC's tokenizer) or "
-             "safetensors with 'input_ids' [N, T], as for evaluate.")] = None,
+    data: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Real inputs: SRC run over these tokens (as evaluate's --data).")] = None,
     length: Annotated[int, typer.Option(min=2, metavar="N", help="Tokens per window when --data is text.")] = 512,
     samples: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Only the first N sequences of --data.")] = None,
     layers: Annotated[Optional[str], typer.Option(metavar="L,L",
@@ -360,8 +358,6 @@ def validate(
         except ValueError:
             raise UsageError(f"--layers '{layers}' is not a comma-separated list of layer numbers.") from None
     thresholds = Thresholds(max_relative_error, min_cosine, max_kernel_error)
-    if data is not None and hidden_states is not None:
-        raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
     from quantize_moe.check.streamed_eval import load_tokens
     batches = load_tokens(data, src, length, samples) if data is not None else None
     if device == "auto" and not torch.cuda.is_available():
