@@ -16,7 +16,7 @@ import typer
 from quantize_moe import __version__
 from quantize_moe.check.thresholds import Thresholds
 from quantize_moe.cli.usage import Command, Group, JsonReportCommand
-from quantize_moe.console import console, count_progress, human_bytes, short_float, stdout
+from quantize_moe.console import console, count_progress, human_bytes, stdout
 from quantize_moe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_USAGE, UsageError, UserError
 from quantize_moe.cli import calibration as calibrated
 from quantize_moe.plan.options import FORMAT_CHOICES, GPU_WORKERS_PER_DEVICE, SCHEME_CHOICES, Options
@@ -281,7 +281,7 @@ def demo(
     """Build, quantize and check a tiny checkpoint of a real family.
 
     Runs offline on a CPU and prints the report."""
-    from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table
+    from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, weight_check_table
     from quantize_moe.write.job import quantize_checkpoint
     from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
 
@@ -299,7 +299,13 @@ def demo(
         stdout.print(overview_table(summary.plan))
         stdout.print(decisions_table(summary.plan, wide))
         stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
-        _report_weight_check(src, dst)
+        from quantize_moe.check.weights import check_expert_weights
+
+        checks = check_expert_weights(src, dst)
+        stdout.print(weight_check_table(checks))
+        if not all(c.ok for c in checks):
+            raise UserError("Some expert weights are outside FP8 rounding of the original; this is a bug in "
+                            "quantize-moe, please report it.")
         from quantize_moe.check.validate import validate as run_validation
 
         report = run_validation(src, dst, tokens=256)
@@ -358,7 +364,7 @@ def validate(
         except ValueError:
             raise UsageError(f"--layers '{layers}' is not a comma-separated list of layer numbers.") from None
     thresholds = Thresholds(max_relative_error, min_cosine, max_kernel_error)
-    from quantize_moe.check.streamed_eval import load_tokens
+    from quantize_moe.run.tokens import load_tokens
     batches = load_tokens(data, src, length, samples) if data is not None else None
     if device == "auto" and not torch.cuda.is_available():
         console.print("no CUDA GPU here: running the torch reference path instead of the Triton kernels")
@@ -372,24 +378,6 @@ def validate(
         failed = [str(r.layer) for r in report.layers if not r.passed]
         console.print(f"[bold red]validation failed[/] in layer(s) {', '.join(failed)}")
         raise typer.Exit(EXIT_CHECK_FAILED)
-
-
-def _report_weight_check(src: Path, dst: Path) -> None:
-    from rich.table import Table
-
-    from quantize_moe.check.weights import check_expert_weights
-
-    table = Table(title="Routed experts: dequantized FP8 vs original")
-    for column in ("layer", "rel err", "worst / rounding bound", "ok"):
-        table.add_column(column, justify="right")
-    checks = check_expert_weights(src, dst)
-    for c in checks:
-        table.add_row(str(c.layer), short_float(c.relative_error), f"{c.worst_bound_ratio:.3f}",
-                      "[green]yes[/]" if c.ok else "[red]NO[/]")
-    stdout.print(table)
-    if not all(c.ok for c in checks):
-        raise UserError("Some expert weights are outside FP8 rounding of the original; this is a bug in "
-                        "quantize-moe, please report it.")
 
 
 @command(cls=JsonReportCommand)

@@ -169,6 +169,17 @@ def verify_table(report) -> Table:
     return table
 
 
+def weight_check_table(checks) -> Table:
+    """`demo`'s check of the routed experts: dequantized FP8 against the original, per layer."""
+    table = Table(title="Routed experts: dequantized FP8 vs original")
+    for column in ("layer", "rel err", "worst / rounding bound", "ok"):
+        table.add_column(column, justify="right")
+    for c in checks:
+        table.add_row(str(c.layer), short_float(c.relative_error), f"{c.worst_bound_ratio:.3f}",
+                      "[green]yes[/]" if c.ok else "[red]NO[/]")
+    return table
+
+
 def evaluation_table(report) -> Group:
     """The `evaluate` result: one row per measure, then the hidden-state error after each decoder layer."""
     table = Table(title=f"End-to-end: FP8 against the original over {report.tokens} tokens")
