@@ -6,8 +6,8 @@ RssAnon (`process_memory`), and reads the output, then the source, once with one
 rate references for `verify` (the output) and for `verify --against` and `validate` (both). The JSON
 holds every step and those ratios, so one command gives the whole of issue 18's table.
 
-    python scripts/make_synthetic_mixtral.py /work/bench-data/mixtral-n2 --layers 2
-    python scripts/bench_checks.py /work/bench-data/mixtral-n2 --out /work/bench-data/out --json n2.json
+    python scripts/make_synthetic_mixtral.py bench/mixtral-n2 --layers 2     # 6.3 GB, in any folder with room
+    python scripts/bench_checks.py bench/mixtral-n2 --out bench/out --json n2.json
 """
 
 from __future__ import annotations

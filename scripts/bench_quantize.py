@@ -9,9 +9,13 @@ from this project's. With
 --repeat N the two tools take turns N times and the ratios use each one's
 median (a shared machine's disk and page cache vary from run to run).
 
-    python scripts/bench_quantize.py /work/bench-data/mixtral-n2 --llmc-python /work/llmc-venv/bin/python \\
-        --memory /work/bench-data/mixtral-n8 --out /work/bench-data/out
-    python scripts/bench_quantize.py CKPT --device cuda --disk-rate     # on a GPU machine
+    python3 -m venv .llmc-venv && .llmc-venv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
+    python scripts/make_synthetic_mixtral.py bench/mixtral-n2 --layers 2    # 6.3 GB (bench/mixtral-n8: --layers 8)
+    python scripts/bench_quantize.py bench/mixtral-n2 --llmc-python .llmc-venv/bin/python \\
+        --memory bench/mixtral-n8 --out bench/out
+    python scripts/bench_quantize.py bench/mixtral-n2 --device cuda --disk-rate     # on a GPU machine
+
+`bench/` stands for any folder with room; the first line makes llm-compressor's venv.
 
 --disk-rate writes as many bytes as our output with plain `dd`s (one with
 fsync, one direct, four direct at once), and prints each scheme's median

@@ -6,7 +6,7 @@ KV heads), shards of about --shard-gb are written one at a time with the index
 and a config.json, so memory stays near one shard. Vocabulary and layer count
 are small by default so the experts dominate, as in the real model.
 
-    python scripts/make_synthetic_mixtral.py /work/bench-data/mixtral-n2 --layers 2
+    python scripts/make_synthetic_mixtral.py bench/mixtral-n2 --layers 2    # 6.3 GB; any folder with room
 """
 
 from __future__ import annotations
