@@ -40,6 +40,10 @@ def test_help_reads_plainly_at_80_columns(command):
         arguments = [p.name.upper() for p in COMMANDS[command].params if p.param_type_name == "argument"]
         usage = next(line for line in result.output.splitlines() if "Usage:" in line)
         assert usage.strip(" │").split() == ["Usage:", "quantize-moe", command, "[OPTIONS]", *arguments], usage
+        panel = result.output[result.output.find("─ Arguments ─"):result.output.index("─ Options ─")]
+        for name in arguments:  # the name alone, then its help: no <str>/<path> between them
+            row = next(line for line in panel.splitlines() if f" {name} " in line)
+            assert re.search(rf"│ \* +{name} +[A-Z]", row), (name, panel)
 
 
 def test_the_command_list_gives_each_command_one_line():

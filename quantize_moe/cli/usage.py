@@ -1,6 +1,6 @@
 """How the commands read in a terminal: help without a type label after a flag (`--resume`, not
-`--resume <bool>`), usage lines naming arguments as `SRC DST`, and the deprecated `--json PATH` of
-`validate` and `evaluate` still understood."""
+`--resume <bool>`) or an argument (`SRC`, not `SRC <str>`), usage lines naming arguments as `SRC DST`,
+and the deprecated `--json PATH` of `validate` and `evaluate` still understood."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ class _PlainHelp:
     def get_params(self, ctx):
         params = super().get_params(ctx)
         for param in params:
-            if param.param_type_name == "argument" and param.metavar is None:
-                param.metavar = param.name.upper()
+            if param.param_type_name == "argument":
+                param.metavar = param.metavar or param.name.upper()
+                param.display_type_rich = lambda ctx: None  # SRC, DST say what they are: no <str>/<path>
             elif getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""  # a flag takes no value, so nothing follows it in the help
         return params
