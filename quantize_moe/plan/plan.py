@@ -160,10 +160,13 @@ class Plan:
 
     def check_requantize(self) -> None:
         """A pre-quantized SRC is requantized only when asked for: every weight is then rounded to FP8
-        twice, and `verify --against` the bf16 original finds errors beyond one rounding."""
+        twice, and `verify --against` the bf16 original finds errors beyond one rounding. Checked by
+        `quantize`, not by `make_plan`, so that `inspect` still describes such a SRC."""
+        where = f"'{self.checkpoint.folder / CONFIG_NAME}'"
+        _check_source_not_done(self.checkpoint.raw_config, self.options, where)
         if self.source.quantized and not self.options.requantize:
             method = self.checkpoint.raw_config["quantization_config"].get("quant_method")
-            raise UserError(f"'{self.checkpoint.folder / CONFIG_NAME}' says the checkpoint is already quantized "
+            raise UserError(f"{where} says the checkpoint is already quantized "
                             f"({method}); quantizing it again rounds every weight twice, so point SRC at the "
                             "bf16/fp16/fp32 original, or pass --requantize to do it anyway (the model card "
                             "says so).")
@@ -203,7 +206,6 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     options = resolve_options(options, [(name, shape) for name in source.names
                                         if roles[name].kind == Kind.ROUTED_EXPERT for shape in shapes[name]],
                               fused_family=family.name if stay_fused else None, family=family.name)
-    _check_source_not_done(checkpoint.raw_config, options, where)
     check_calibrated_outputs(options, family, config, where)
     mtp = set(family.mtp_layers(config))
     decisions = {}
