@@ -166,10 +166,9 @@ class Plan:
         _check_source_not_done(self.checkpoint.raw_config, self.options, where)
         if self.source.quantized and not self.options.requantize:
             method = self.checkpoint.raw_config["quantization_config"].get("quant_method")
-            raise UserError(f"{where} says the checkpoint is already quantized "
-                            f"({method}); quantizing it again rounds every weight twice, so point SRC at the "
-                            "bf16/fp16/fp32 original, or pass --requantize to do it anyway (the model card "
-                            "says so).")
+            raise UserError(f"{where} says the checkpoint is already quantized ({method}); quantizing it again "
+                            "rounds every weight twice, so point SRC at the bf16/fp16/fp32 original, or pass "
+                            "--requantize to do it anyway (the model card says so).")
 
     @property
     def shard_names(self) -> list[str]:
