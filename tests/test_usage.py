@@ -129,12 +129,9 @@ def test_inspect_of_an_fp8_src_says_quantize_needs_requantize(pair, tmp_path):
     src, dst = pair
     result = cli("inspect", dst, columns=300)  # under auto its own scheme: quantize has nothing to do
     assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    note = text[text.index("SRC is already quantized"):]
-    assert "(compressed-tensors): quantize takes it only with --requantize" in note
-    assert "`quantize-moe dequantize SRC DST` writes its bf16 copy" in note
-    assert "quantize needs --requantize" in result.output  # the overview table's row
-    assert "already quantized" not in cli("inspect", src, columns=300).output
+    assert re.search(r"│ source quantization +│ channel FP8 \(weight_scale\): quantize takes it only with "
+                     r"--requantize \(every weight rounded twice\); dequantize writes it in bf16 +│", result.output)
+    assert "source quantization" not in cli("inspect", src, columns=300).output
     refused = cli("quantize", dst, tmp_path / "again", "--scheme", "tensor", "--no-progress")
     assert refused.exit_code == EXIT_BAD_INPUT and "--requantize" in refused.output
 

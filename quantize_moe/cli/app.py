@@ -232,7 +232,7 @@ def inspect(
     the result. From the Hub it reads small files and shard headers, no shards. An unknown model_type
     is described as the generic adapter would read it."""
     from quantize_moe.adapters import is_known
-    from quantize_moe.cli.report import decisions_table, overview_table, requantize_note
+    from quantize_moe.cli.report import decisions_table, overview_table
     from quantize_moe.plan.plan import make_plan
     from quantize_moe.source.hub import open_source
 
@@ -244,8 +244,6 @@ def inspect(
     stdout.print(overview_table(plan))
     stdout.print(decisions_table(plan, wide))
     _print_auto_choice(options, plan)
-    if note := requantize_note(plan):
-        stdout.print(f"[yellow]{note}[/]", highlight=False)
     if shown and not adapter:
         stdout.print(f"[yellow]model_type '{checkpoint.raw_config.get('model_type')}' is not a known family: this "
                      "is what the generic adapter would do; quantize, validate and verify use it only with "

@@ -49,8 +49,8 @@ def overview_table(plan: Plan) -> Table:
         table.add_row("MTP layers", f"{_layer_ranges(plan.mtp_layers)} (multi-token prediction, kept in high "
                       "precision)")
     if plan.source.quantized:
-        table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): "
-                      "quantize needs --requantize")
+        table.add_row("source quantization", f"{plan.source.spec.weight} FP8 ({plan.source.scale_suffix}): quantize "
+                      "takes it only with --requantize (every weight rounded twice); dequantize writes it in bf16")
     table.add_row("scheme / format", f"{plan.options.scheme} / {plan.options.format}")
     if plan.family.fp8_refusal or any(not layout.unfused for layout in plan.family.fused):  # its own loaders decide
         table.add_row("FP8 output loads in", plan.family.fp8_loads_in or f"nowhere: {plan.family.fp8_refusal}")
@@ -83,16 +83,6 @@ def _expert_layout(plan: Plan) -> str:
 def auto_choice(requested: Options, plan: Plan) -> str | None:
     """The line saying what `auto` chose for this checkpoint and why."""
     return explain_auto(requested, plan.options, plan.written_experts, plan.fused_family, plan.family.name)
-
-
-def requantize_note(plan: Plan) -> str | None:
-    """For a SRC that is already FP8, what `inspect` tells a user about to quantize it."""
-    if not plan.source.quantized:
-        return None
-    method = plan.checkpoint.raw_config["quantization_config"].get("quant_method")
-    return (f"SRC is already quantized ({method}): quantize takes it only with --requantize, into another "
-            "--scheme or --format (every weight is then rounded twice, and the model card says so); "
-            "the other way, `quantize-moe dequantize SRC DST` writes its bf16 copy.")
 
 
 def decisions_table(plan: Plan, wide: bool = False) -> Table:
