@@ -14,9 +14,10 @@ from quantize_moe.adapters import PerExpertFamily, TensorRole, adapter_for, pars
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.adapters.reader import SCALE_SUFFIXES
-from quantize_moe.quantization.formats import read_quantization
+from quantize_moe.quantization.formats import read_quantization, reads_kv_cache
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.spec import MoEQuantSpec
+from quantize_moe.quantization.static import KV_SCALES
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,16 @@ class Inventory:
     spec: MoEQuantSpec
     scale_suffix: str | None  # None when the config declares no quantization
     tensors: dict[str, StoredTensor]  # everything but scales
-    scales: dict[str, TensorInfo]
+    scales: dict[str, TensorInfo]  # weight and input scales, and the KV cache's k_scale / v_scale
     num_experts: dict[int, int]  # MoE layer -> routed experts
     adapter: str | None = None  # the explicit --adapter it was read with, for reading the source the same way
+    kv_cache: bool = False  # the config declares an FP8 KV cache
+
+    @property
+    def attention(self) -> list[str]:
+        """The attention modules (those with a k_proj Linear): where an FP8 KV cache has its scales."""
+        return [n.removesuffix(".k_proj.weight") for n, s in self.tensors.items()
+                if n.endswith(".k_proj.weight") and s.role.is_linear_weight]
 
     def scale_of(self, name: str) -> TensorInfo | None:
         return self.scales.get(scale_name(name, self.scale_suffix))
@@ -52,9 +60,10 @@ def take_inventory(checkpoint: Checkpoint, adapter: str | None = None) -> Invent
     spec, scale_suffix = read_quantization(checkpoint.raw_config, where)
     tensors, scales = {}, {}
     for name, info in checkpoint.tensors.items():
-        if name.endswith(SCALE_SUFFIXES):
+        if name.endswith(SCALE_SUFFIXES + KV_SCALES):
             scales[name] = info
         else:
             tensors[name] = StoredTensor(info, family.role(name, len(info.shape)))
     num_experts = {info.layer: info.num_experts for info in family.moe_layers(config)}
-    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales, num_experts, adapter)
+    return Inventory(checkpoint, family, config, spec, scale_suffix, tensors, scales, num_experts, adapter,
+                     reads_kv_cache(checkpoint.raw_config, where))

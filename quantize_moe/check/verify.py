@@ -27,6 +27,7 @@ from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import EXIT_CHECK_FAILED, EXIT_OK, UserError
 from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.ignore_list import ignore_matcher
+from quantize_moe.quantization.static import KV_SCALES
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.write.manifest import Manifest
@@ -121,7 +122,7 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
             problems.append(f"scale '{scale.name}' has shape {scale.shape}, which does not fit "
                             f"{inventory.spec.weight} scales of a {stored.info.shape} weight")
     problems += [f"scale '{n}' belongs to no FP8 weight" for n in inventory.scales
-                 if n not in weights_with_scales]
+                 if n not in weights_with_scales and not n.endswith(KV_SCALES)]  # KV scales: check_metadata
 
     if source is not None:  # by the names the source's tensors are written as (Llama-4 experts unfused)
         written = {}
@@ -146,7 +147,8 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
 # -- metadata ---------------------------------------------------------------------------------------
 def check_metadata(inventory: Inventory) -> Finding:
     """quantization_config agrees with the tensors: FP8 modules are not ignored, every Linear left in
-    high precision is (engines would otherwise expect FP8 there), static activations have input scales."""
+    high precision is (engines would otherwise expect FP8 there), static activations have input scales,
+    a declared FP8 KV cache has its k_scale / v_scale."""
     qc = inventory.checkpoint.raw_config.get("quantization_config")
     if qc is None:
         return Finding("metadata", "fail", "config.json has no quantization_config; engines will load the "
@@ -168,11 +170,14 @@ def check_metadata(inventory: Inventory) -> Finding:
             problems.append(f"'{module}' stays {stored.info.dtype} but is not listed as ignored")
     if inventory.spec.static:
         problems += _static_input_scale_problems(inventory)
+    problems += _kv_scale_problems(inventory)
     # An entry may name any module holding tensors (llm-compressor lists model.embed_tokens), not only Linears.
     holders = {name.rsplit(".", 1)[0] for name in inventory.checkpoint.tensors}
     problems += [f"ignore entry '{e}' names no module" for e in entries
                  if not e.startswith("re:") and e not in modules and e not in holders]
     summary = f"{qc.get('quant_method')} config; its {len(entries)} ignore entries are exactly the kept Linears"
+    if inventory.kv_cache:
+        summary += f"; FP8 KV cache scales for {len(inventory.attention)} attention modules"
     return _finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
 
 
@@ -194,6 +199,26 @@ def _static_input_scale_problems(inventory: Inventory) -> list[str]:
         if math.prod(scale.shape) != values:
             problems.append(f"'{scale.name}' has shape {scale.shape}; a static input scale is one value per "
                             "module (per expert in a fused expert tensor)")
+    return problems
+
+
+def _kv_scale_problems(inventory: Inventory) -> list[str]:
+    """A declared FP8 KV cache: every attention module has its k_scale and v_scale, one value each. KV scales
+    without a declared cache, or beside no attention, are reported: an engine would ignore them, or use a
+    cache the config does not describe. Whether the values are finite and positive is `check_scales`'s."""
+    expected = [f"{module}.{kind}" for module in inventory.attention for kind in KV_SCALES]
+    present = {name: info for name, info in inventory.scales.items() if name.endswith(KV_SCALES)}
+    problems = []
+    if inventory.kv_cache:
+        problems += [f"'{name}' is missing, but the config declares an FP8 KV cache (kv_cache_scheme)"
+                     for name in expected if name not in present]
+    for name, info in present.items():
+        if not inventory.kv_cache:
+            problems.append(f"'{name}' is a KV-cache scale, but the config declares no kv_cache_scheme")
+        elif name not in expected:
+            problems.append(f"'{name}' is a KV-cache scale beside no attention module (no k_proj)")
+        elif math.prod(info.shape) != 1:
+            problems.append(f"'{name}' has shape {info.shape}; a KV-cache scale is one value")
     return problems
 
 

@@ -170,6 +170,21 @@ def read_quantization(raw_config: dict, where: str) -> tuple[MoEQuantSpec, str |
                     "bf16/fp16/fp32 original.")
 
 
+def reads_kv_cache(raw_config: dict, where: str) -> bool:
+    """Whether the checkpoint declares an FP8 KV cache (`kv_cache_scheme`, written by both formats) with
+    per-tensor `k_scale`/`v_scale` per attention layer; another KV-cache scheme is one sentence."""
+    qc = raw_config.get("quantization_config")
+    scheme = qc.get("kv_cache_scheme") if isinstance(qc, dict) else None
+    if scheme is None:
+        return False
+    scheme = _object(scheme, "quantization_config.kv_cache_scheme", where)
+    if any(scheme.get(key) != KV_CACHE_SCHEME[key] for key in ("num_bits", "type", "strategy")) \
+            or scheme.get("dynamic") not in (False, None):
+        raise UserError(f"{where} declares a kv_cache_scheme {scheme!r:.120} that quantize-moe cannot run; it reads "
+                        "a static per-tensor FP8 KV cache (8-bit float, strategy 'tensor') only.")
+    return True
+
+
 def _object(value, field: str, where: str) -> dict:
     if not isinstance(value, dict):
         raise UserError(f"{where} has a {field} that is {type(value).__name__} {value!r:.60}, not an object; "

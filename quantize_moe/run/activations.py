@@ -7,12 +7,13 @@ static scales are wrong would look as good as a right one. While a decoder layer
 `activations_as_declared` fake-quantizes the input of each Linear whose weight is FP8 in the checkpoint
 (a forward pre-hook) and runs the family's experts module through the fused-MoE torch reference, whose
 activations are quantized like the kernels' (static: one scale per layer and GEMM, the max over experts,
-as vLLM loads them).
+as vLLM loads them). A declared FP8 KV cache rounds the keys and values each attention module caches
+through FP8 with its `k_scale` / `v_scale` (run/attention.py reaches them where vLLM stores them).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -22,8 +23,14 @@ from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.moe.methods import layer_input_scale
 from quantize_moe.moe.reference import fake_quantize, fused_experts_reference
-from quantize_moe.quantization.formats import INPUT_SCALE
+from quantize_moe.quantization.formats import INPUT_SCALE, reads_kv_cache
 from quantize_moe.quantization.fp8 import FP8_DTYPE
+from quantize_moe.quantization.spec import MoEQuantSpec
+from quantize_moe.quantization.static import KV_SCALES
+from quantize_moe.run.attention import attention_through
+
+KV_FP8 = "quantize-moe-kv-fp8"
+PER_TENSOR = MoEQuantSpec("tensor", "static")  # a k_scale / v_scale: one static scale per tensor
 
 
 def _input_scale(reader: SourceReader, weights: list[str]) -> torch.Tensor | None:
@@ -70,10 +77,36 @@ def _experts_module(layer: torch.nn.Module, where: str) -> torch.nn.Module:
     return candidates[0]
 
 
+def _kv_cache_as_declared(reader: SourceReader, layer: torch.nn.Module, prefix: str, config):
+    """The keys and values of the layer's attention modules (those with a k_proj) rounded through FP8 with
+    their scales while it runs, when the checkpoint declares an FP8 KV cache."""
+    if not reads_kv_cache(reader.checkpoint.raw_config, f"'{reader.checkpoint.folder / 'config.json'}'"):
+        return ExitStack()
+    scales = {}
+    for name, module in layer.named_modules():
+        if hasattr(module, "k_proj"):
+            names = [f"{prefix}{name}.{kind}" for kind in KV_SCALES]
+            missing = [n for n in names if n not in reader.checkpoint.tensors]
+            if missing:
+                raise UserError(f"'{reader.checkpoint.folder}' declares an FP8 KV cache but has no '{missing[0]}'; "
+                                "recalibrate the checkpoint with --kv-cache fp8.")
+            scales[id(module)] = [layer_input_scale(reader.checkpoint.get(n), [f"'{n}'"]) for n in names]
+
+    def rounded(module, key, value):
+        if id(module) not in scales:
+            return key, value
+        k_scale, v_scale = scales[id(module)]
+        return tuple(fake_quantize(x.reshape(-1, x.shape[-1]), PER_TENSOR, scale).reshape(x.shape)
+                     for x, scale in ((key, k_scale), (value, v_scale)))
+
+    return attention_through(config, KV_FP8, rounded, "evaluate cannot run this checkpoint's FP8 KV cache")
+
+
 @contextmanager
-def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index: int):
+def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index: int, config):
     """While the block runs, decoder layer `index` (materialised, named `model.layers.{index}` in the
-    checkpoint) rounds the inputs of its FP8 GEMMs as the checkpoint's quantization_config says."""
+    checkpoint, of the model built from `config`) rounds the inputs of its FP8 GEMMs and its KV cache as the
+    checkpoint's quantization_config says."""
     prefix, tensors = f"model.layers.{index}.", reader.checkpoint.tensors
     where = f"'{reader.checkpoint.folder}' layer {index}"
     fp8 = [n for n, info in tensors.items() if n.startswith(prefix) and info.dtype == FP8_DTYPE]
@@ -100,7 +133,8 @@ def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index:
         a2 = _input_scale(reader, [n for n in experts if shards[n] == ("w2",)])
         module.forward = _experts_forward(module, reader, a13, a2)
     try:
-        yield
+        with _kv_cache_as_declared(reader, layer, prefix, config):
+            yield
     finally:
         for handle in handles:
             handle.remove()

@@ -14,7 +14,7 @@ layers under a registered attention implementation that records them and calls t
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.static import W2, W13, ActivationAmax
+from quantize_moe.run.attention import attention_through
 from quantize_moe.run.executor import LayerStreamedModel
 
 # Elements of one expert's gate/up output computed at a time (tokens x 2I): 32 MB in bf16.
@@ -101,33 +102,17 @@ def _fill_unrouted(amax: ActivationAmax) -> None:
 KV_ATTENTION = "quantize-moe-kv-calibration"
 
 
-@contextmanager
 def _recording_kv(model: LayerStreamedModel, collector: _Collector):
     """Run the model's attention through a recorder of the keys and values it is given (per attention
-    module, as `<module>.k_scale` / `.v_scale`), with the masks of the original implementation."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    config, original = model.config, model.config._attn_implementation
-    if original not in ALL_ATTENTION_FUNCTIONS or original not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise UserError(f"--kv-cache fp8 measures keys and values through transformers' attention functions, "
-                        f"but this family runs '{original}' attention; leave the KV cache in bf16.")
+    module, as `<module>.k_scale` / `.v_scale`)."""
     names = {id(module): name for name, module in model.layers.named_modules(prefix="model.layers")}
-    attend = ALL_ATTENTION_FUNCTIONS[original]
 
-    def attention(module, query, key, value, *args, **kwargs):
+    def record(module, key, value):
         _largest(collector.kv, f"{names[id(module)]}.k_scale", key)
         _largest(collector.kv, f"{names[id(module)]}.v_scale", value)
-        return attend(module, query, key, value, *args, **kwargs)
+        return key, value
 
-    AttentionInterface.register(KV_ATTENTION, attention)
-    AttentionMaskInterface.register(KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    config._attn_implementation = KV_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = original
+    return attention_through(model.config, KV_ATTENTION, record, "leave the KV cache in bf16")
 
 
 def calibrate(reader: SourceReader, batches: list[torch.Tensor], device: str = "cpu", routed_only: bool = False,
