@@ -86,9 +86,10 @@ def test_verify_against_the_source_passes_a_kv_cache_output(kv_pair, fmt):
      "'model.layers.0.block_sparse_moe.k_scale' is a KV-cache scale beside no attention module"),
 ], ids=["deleted", "nan", "zero", "beside-no-attention"])
 def test_verify_names_each_broken_kv_scale(kv_pair, fmt, edit, check, sentence, tmp_path):
-    report = verify(_copy(kv_pair / fmt, tmp_path, edit), Checkpoint(kv_pair / "src"))
-    failures = _failures(report)
-    assert failures.keys() == {check} and sentence in failures[check], failures
+    broken = _copy(kv_pair / fmt, tmp_path, edit)
+    for source in (None, Checkpoint(kv_pair / "src")):  # plain verify, and verify --against SRC
+        failures = _failures(verify(broken, source))
+        assert failures.keys() == {check} and sentence in failures[check], failures
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
@@ -125,7 +126,10 @@ def test_evaluate_rounds_the_kv_cache_with_its_scales(kv_pair, tmp_path):
     assert bad.mean_kl > 10 * good.mean_kl and bad.top1_agreement < good.top1_agreement - 0.3, (good, bad)
 
 
-def test_evaluate_refuses_a_declared_kv_cache_without_its_scales(kv_pair, tmp_path):
-    missing = _copy(kv_pair / "compressed-tensors", tmp_path, lambda t: t.pop(f"{ATTENTION}.v_scale"))
-    with pytest.raises(UserError, match=f"declares an FP8 KV cache but has no '{ATTENTION}.v_scale'"):
-        evaluate(kv_pair / "src", missing, _batches())
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop(f"{ATTENTION}.v_scale"), f"declares an FP8 KV cache but has no '{ATTENTION}.v_scale'"),
+    (_set(f"{ATTENTION}.k_scale", float("nan")), f"'{ATTENTION}.k_scale' is nan; .* finite and positive"),
+], ids=["missing", "nan"])
+def test_evaluate_refuses_a_declared_kv_cache_without_usable_scales(kv_pair, edit, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        evaluate(kv_pair / "src", _copy(kv_pair / "compressed-tensors", tmp_path, edit), _batches())

@@ -78,26 +78,23 @@ def _experts_module(layer: torch.nn.Module, where: str) -> torch.nn.Module:
 
 
 def _kv_cache_as_declared(reader: SourceReader, layer: torch.nn.Module, prefix: str, config):
-    """The keys and values of the layer's attention modules (those with a k_proj) rounded through FP8 with
-    their scales while it runs, when the checkpoint declares an FP8 KV cache."""
+    """When the checkpoint declares an FP8 KV cache, the keys and values of every attention module of the
+    layer rounded through FP8 with its `k_scale` / `v_scale` while the layer runs; an attention module
+    without them is one sentence, never a bf16 cache in silence."""
     if not reads_kv_cache(reader.checkpoint.raw_config, f"'{reader.checkpoint.folder / 'config.json'}'"):
         return ExitStack()
-    scales = {}
-    for name, module in layer.named_modules():
-        if hasattr(module, "k_proj"):
-            names = [f"{prefix}{name}.{kind}" for kind in KV_SCALES]
-            missing = [n for n in names if n not in reader.checkpoint.tensors]
-            if missing:
-                raise UserError(f"'{reader.checkpoint.folder}' declares an FP8 KV cache but has no '{missing[0]}'; "
-                                "recalibrate the checkpoint with --kv-cache fp8.")
-            scales[id(module)] = [layer_input_scale(reader.checkpoint.get(n), [f"'{n}'"]) for n in names]
+    names, scales = {id(module): name for name, module in layer.named_modules()}, {}
 
     def rounded(module, key, value):
         if id(module) not in scales:
-            return key, value
-        k_scale, v_scale = scales[id(module)]
+            wanted = [f"{prefix}{names[id(module)]}.{kind}" for kind in KV_SCALES]
+            missing = [name for name in wanted if name not in reader.checkpoint.tensors]
+            if missing:
+                raise UserError(f"'{reader.checkpoint.folder}' declares an FP8 KV cache but has no '{missing[0]}'; "
+                                "recalibrate the checkpoint with --kv-cache fp8.")
+            scales[id(module)] = [layer_input_scale(reader.checkpoint.get(name), [f"'{name}'"]) for name in wanted]
         return tuple(fake_quantize(x.reshape(-1, x.shape[-1]), PER_TENSOR, scale).reshape(x.shape)
-                     for x, scale in ((key, k_scale), (value, v_scale)))
+                     for x, scale in zip((key, value), scales[id(module)]))
 
     return attention_through(config, KV_FP8, rounded, "evaluate cannot run this checkpoint's FP8 KV cache")
 
