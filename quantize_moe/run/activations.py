@@ -13,7 +13,7 @@ through FP8 with its `k_scale` / `v_scale` (run/attention.py reaches them where 
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -82,7 +82,7 @@ def _kv_cache_as_declared(reader: SourceReader, layer: torch.nn.Module, prefix: 
     layer rounded through FP8 with its `k_scale` / `v_scale` while the layer runs; an attention module
     without them is one sentence, never a bf16 cache in silence."""
     if not reads_kv_cache(reader.checkpoint.raw_config, f"'{reader.checkpoint.folder / 'config.json'}'"):
-        return ExitStack()
+        return nullcontext()
     names, scales = {id(module): name for name, module in layer.named_modules()}, {}
 
     def rounded(module, key, value):
