@@ -90,7 +90,7 @@ Adapter = Annotated[Optional[str], typer.Option(
     metavar="generic", help="Read an unknown model_type through the generic per-expert adapter (see `inspect`).")]
 STREAM_SCRATCH = ".quantize-moe-download"  # hidden in DST: never copied, uploaded or taken for output
 Scheme = Annotated[Literal[SCHEME_CHOICES], typer.Option(
-    metavar="SCHEME", help="Weight scales: tensor, channel (one per output row), block (128x128), or auto: the "
+    "--scheme", metavar="SCHEME", help="Weight scales: tensor, channel (one per output row), block (128x128), or auto: the "
                            "choice that loads in the most engines.")]
 Format = Annotated[Literal[FORMAT_CHOICES], typer.Option(
     "--format", metavar="FORMAT", help="On-disk format: fp8 (vLLM/SGLang native; block scales also transformers), "
@@ -338,7 +338,7 @@ def validate(
     samples: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Only the first N sequences of --data.")] = None,
     layers: Annotated[Optional[str], typer.Option(metavar="L,L",
                                                   help="Comma-separated MoE layers to check (default: all).")] = None,
-    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto, cuda, cuda:N or cpu.")] = "auto",
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cuda, cuda:N or cpu.")] = "auto",
     json_output: JsonFlag = False,
     json_out: JsonOut = None,
     max_relative_error: Annotated[float, typer.Option(help="Fail a layer above this ||fp8-bf16||/||bf16||.")] = Thresholds.max_relative_error,
@@ -388,7 +388,7 @@ def evaluate(
     data: Annotated[Path, typer.Option(help="Text (tokenized with SRC's tokenizer) or safetensors with 'input_ids' [N, T].")],
     length: Annotated[int, typer.Option(min=2, metavar="N", help="Tokens per window when --data is text.")] = 512,
     samples: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Use only the first N sequences.")] = None,
-    device: Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda or cuda:N.")] = "cpu",
     json_output: JsonFlag = False,
     json_out: JsonOut = None,
     max_perplexity_ratio: Annotated[float, typer.Option(help="Fail above this perplexity ratio FP8 / original.")] = 1.02,
