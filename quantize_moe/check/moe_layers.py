@@ -7,7 +7,9 @@ picks the method object, and the layer's weight loader does the rest.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from quantize_moe.moe.methods import method_for_spec
 from quantize_moe.quantization.spec import MoEQuantSpec
 
 EXPERT_CHUNK_BYTES = 256 << 20  # bf16 weights of the experts a check holds at once
+READ_THREADS = min(16, max(4, os.cpu_count() or 1))  # parallel reads of a layer's expert weights
 
 
 @dataclass
@@ -83,14 +86,22 @@ class MoECheckpoint:
             moe = FusedMoE(len(experts), info.hidden_size, info.expert_width, method_for_spec(self.spec),
                            params_dtype, name=f"'{self.checkpoint.folder}' layer {layer}")
         params = dict(moe.named_parameters())
+        in_place = []  # (checkpoint tensor, the part of a parameter it fills), read in parallel below
         for module, expert, shard_id in self.experts.get(layer, []):
             if expert not in experts:
                 continue
             prefix, local = "w2" if shard_id == "w2" else "w13", expert - experts.start
-            moe.weight_loader(params[f"{prefix}_weight"], self.checkpoint.get(f"{module}.weight"),
-                              f"{prefix}_weight", shard_id, local)
+            weight, param = f"{module}.weight", f"{prefix}_weight"
+            target = moe.shard_target(params[param], param, shard_id, local)
+            if self.checkpoint.readable_into(weight, target):
+                in_place.append((weight, target))
+                moe.mark_loaded(param, shard_id, local)
+            else:  # another dtype (converted by the loader) or a pickle shard
+                moe.weight_loader(params[param], self.checkpoint.get(weight), param, shard_id, local)
             for suffix, param in self._scale_params(prefix):
                 moe.weight_loader(params[param], self._scale(f"{module}.{suffix}"), param, shard_id, local)
+        with ThreadPoolExecutor(READ_THREADS) as pool:  # pread releases the GIL: the disk sees many reads
+            list(pool.map(lambda job: self.checkpoint.read_into(*job), in_place))
         for name, layout in self.fused.get(layer, []):
             self._load_fused(moe, params, name, layout, info.num_experts, experts)
         moe.process_weights_after_loading()

@@ -91,9 +91,14 @@ def _hidden_states(moe: MoECheckpoint, layer: int, tokens: int, seed: int, file:
     return x.to(device, torch.bfloat16)
 
 
-def _reference(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> torch.Tensor:
-    return fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids,
-                                   **layer.quant_method.kernel_args(layer), compute_dtype=dtype)
+def _outputs(layer: FusedMoE, x, weights, ids, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's output in float32, its torch reference in `dtype`). Off the GPU the layer's path is
+    that same float32 reference rounded to x's dtype, so a float32 reference is computed once, not twice."""
+    reference = fused_experts_reference(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                                        **layer.quant_method.kernel_args(layer), compute_dtype=dtype)
+    if not x.is_cuda and dtype == torch.float32:
+        return reference.to(x.dtype).float(), reference
+    return layer(x, weights, ids).float(), reference
 
 
 def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.Tensor], device: torch.device,
@@ -125,12 +130,10 @@ def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, x: torch.
     x, weights, ids = route(x, router, src.family.routing_rule(src.config, router, layer))
 
     original = src.load_layer(layer, device)
-    out_bf16 = original(x, weights, ids).float()
-    ref_bf16 = _reference(original, x, weights, ids, reference_dtype)
+    out_bf16, ref_bf16 = _outputs(original, x, weights, ids, reference_dtype)
     del original
     quantized = dst.load_layer(layer, device)
-    out_fp8 = quantized(x, weights, ids).float()
-    ref_fp8 = _reference(quantized, x, weights, ids, reference_dtype)
+    out_fp8, ref_fp8 = _outputs(quantized, x, weights, ids, reference_dtype)
     del quantized
 
     relative = _relative(out_fp8, out_bf16)

@@ -28,16 +28,7 @@ class FusedMoE(nn.Module):
                       shard_id: str, expert_id: int) -> None:
         """Copy one checkpoint tensor of expert `expert_id`, shard w1 (gate), w3 (up) or w2 (down); a static
         input scale of w1 and w3 lands in the expert's one w13 input scale, so the two must agree."""
-        if shard_id not in ("w1", "w2", "w3"):
-            raise ValueError(f"shard_id must be w1, w2 or w3, not {shard_id!r}")
-        if (shard_id == "w2") != weight_name.startswith("w2_"):
-            raise ValueError(f"shard {shard_id} does not belong in {weight_name}")
-        target = param.data[expert_id]
-        if param.shard_kind == TENSOR_SCALE:
-            target = target if shard_id == "w2" else target[0 if shard_id == "w1" else 1]
-        elif param.shard_kind in (WEIGHT, ROW_SCALE) and shard_id != "w2":
-            half = target.shape[0] // 2
-            target = target[:half] if shard_id == "w1" else target[half:]
+        target = self.shard_target(param, weight_name, shard_id, expert_id)
         if loaded_weight.numel() != target.numel():
             raise UserError(f"{self.name}: expert {expert_id} {shard_id} tensor for {weight_name} has shape "
                             f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}.")
@@ -48,6 +39,24 @@ class FusedMoE(nn.Module):
             raise UserError(f"{self.name}: expert {expert_id} has input scales {target.item():.6g} ({other}) and "
                             f"{loaded_weight.item():.6g} ({shard_id}); gate and up must carry the same input_scale.")
         target.copy_(loaded_weight.reshape(target.shape))
+        self.mark_loaded(weight_name, shard_id, expert_id)
+
+    def shard_target(self, param: nn.Parameter, weight_name: str, shard_id: str, expert_id: int) -> torch.Tensor:
+        """The part of `param` that expert `expert_id`'s shard fills: what `weight_loader` copies into, and
+        where a caller reading the checkpoint's bytes in place puts them (then `mark_loaded`)."""
+        if shard_id not in ("w1", "w2", "w3"):
+            raise ValueError(f"shard_id must be w1, w2 or w3, not {shard_id!r}")
+        if (shard_id == "w2") != weight_name.startswith("w2_"):
+            raise ValueError(f"shard {shard_id} does not belong in {weight_name}")
+        target = param.data[expert_id]
+        if param.shard_kind == TENSOR_SCALE:
+            return target if shard_id == "w2" else target[0 if shard_id == "w1" else 1]
+        if param.shard_kind in (WEIGHT, ROW_SCALE) and shard_id != "w2":
+            half = target.shape[0] // 2
+            return target[:half] if shard_id == "w1" else target[half:]
+        return target
+
+    def mark_loaded(self, weight_name: str, shard_id: str, expert_id: int) -> None:
         self._loaded.add((weight_name, expert_id, shard_id))
 
     def check_loaded(self) -> None:

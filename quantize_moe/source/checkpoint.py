@@ -219,20 +219,32 @@ class Checkpoint:
         info = self.tensors[name]
         if info.file in self._handles:
             return self._handles[info.file][name]
+        try:
+            tensor = torch.empty(info.shape, dtype=info.dtype)
+        except RuntimeError:  # the allocator refused: more than the machine holds
+            raise UserError(f"Tensor '{name}' in '{self.shard_path(info.file)}' is {info.nbytes / 1e9:.1f} GB, more "
+                            "than this machine can hold in memory; run on a machine with more memory, or check that "
+                            "the shard is not damaged.") from None
+        self.read_into(name, tensor)
+        return tensor
+
+    def readable_into(self, name: str, out: torch.Tensor) -> bool:
+        """Whether `read_into(name, out)` can fill `out`: a safetensors tensor of out's dtype and size, and
+        `out` contiguous (on any device)."""
+        info = self.tensors[name]
+        return (info.file not in self._handles and info.dtype == out.dtype and info.nbytes == out.nbytes and out.is_contiguous())
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` (as `readable_into` says) with the tensor's bytes, with no tensor of its own in between;
+        thread-safe (`pread`, which releases the GIL), so a layer's tensors can be read in parallel."""
+        info = self.tensors[name]
         path = self.shard_path(info.file)
         if info.file not in self._offsets:
             self._offsets[info.file] = data_offsets(path, {t.name: t.nbytes for t in self.tensors.values()
                                                            if t.file == info.file})
-        try:
-            tensor = torch.empty(info.shape, dtype=info.dtype)
-        except RuntimeError:  # the allocator refused: more than the machine holds
-            raise UserError(f"Tensor '{name}' in '{path}' is {info.nbytes / 1e9:.1f} GB, more than this machine "
-                            "can hold in memory; run on a machine with more memory, or check that the shard "
-                            "is not damaged.") from None
-        if tensor.numel():
+        if out.numel():
             with open(path, "rb", buffering=0) as f:
-                read_into(f.fileno(), self._offsets[info.file][name], tensor)
-        return tensor
+                read_into(f.fileno(), self._offsets[info.file][name], out)
 
     def shard_path(self, file: str) -> Path:
         """Where the bytes of shard `file` are read from."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -68,9 +69,25 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+STAGING_BYTES = 32 << 20  # pinned host memory per reading thread, for tensors read onto a GPU
+_staging = threading.local()
+
+
 def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor `out` with the bytes at `offset` of `fd`."""
-    view = as_bytes(out)
+    """Fill the contiguous tensor `out` with the bytes at `offset` of `fd`: straight into it on the CPU, on
+    a GPU through a pinned buffer of this thread's (so no host copy of the tensor is made)."""
+    if out.device.type == "cpu":
+        return _pread_into(fd, offset, as_bytes(out))
+    if getattr(_staging, "buffer", None) is None:
+        _staging.buffer = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+    flat = out.view(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), STAGING_BYTES):
+        chunk = _staging.buffer[:min(STAGING_BYTES, flat.numel() - start)]
+        _pread_into(fd, offset + start, as_bytes(chunk))
+        flat[start:start + chunk.numel()].copy_(chunk)  # synchronous: the buffer is reused next
+
+
+def _pread_into(fd: int, offset: int, view: memoryview) -> None:
     while view:
         n = os.preadv(fd, [view], offset)
         if n == 0:
