@@ -59,12 +59,13 @@ class RoundingError:
         for start in range(0, rows, step):
             end = min(rows, start + step)
             w, difference, bound = (b[:(end - start) * cols].view(end - start, cols) for b in self.buffers)
-            s = _scale_rows(scale, spec, start, end, cols)
+            shape, s = _scale_rows(scale, spec, start, end, cols)
             w.copy_(original[start:end])
             if original_scale is not None:
-                w.mul_(_scale_rows(*original_scale, start, end, cols))
-            difference.copy_(q[start:end]).mul_(s).sub_(w)
-            fp8.rounding_bound(w, s, out=bound)
+                source_shape, source_scale = _scale_rows(*original_scale, start, end, cols)
+                w.view(source_shape).mul_(source_scale)
+            difference.copy_(q[start:end]).view(shape).mul_(s).sub_(w.view(shape))
+            fp8.rounding_bound(w.view(shape), s, out=bound.view(shape))
             self.sums[0] += torch.dot(difference.view(-1), difference.view(-1))
             self.sums[1] += torch.dot(w.view(-1), w.view(-1))
             self.sums[2] = torch.maximum(self.sums[2], difference.abs_().div_(bound).max())
@@ -75,15 +76,21 @@ class RoundingError:
         return (err / max(norm, 1e-300)) ** 0.5, worst
 
 
-def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int, cols: int) -> torch.Tensor:
-    """One matrix's scale over its rows [start, end), broadcastable to them."""
-    if spec.weight == "tensor":
-        part = scale.reshape(1)
-    elif spec.weight == "channel":
-        part = scale.reshape(-1)[start:end].reshape(1, -1)
+def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int,
+                cols: int) -> tuple[tuple[int, ...], torch.Tensor]:
+    """One matrix's scale over its rows [start, end): (a shape to view those rows in, the scale
+    broadcastable to that view). Whole 128x128 blocks are viewed as [row blocks, bn, col blocks, bk]
+    against the scale grid itself, so no block scale is repeated over every element (that copy per
+    row block cost as much as the comparison); ragged blocks expand the scale over the rows."""
+    rows = end - start
+    if spec.weight == "block":
+        bn, bk = spec.block_shape
+        if start % bn == 0 and rows % bn == 0 and cols % bk == 0:
+            return (rows // bn, bn, cols // bk, bk), scale[start // bn:end // bn, :, None].unsqueeze(1)
+        part = scale[start // bn:-(-end // bn)].unsqueeze(0)
     else:
-        part = scale[start // spec.block_shape[0]:-(-end // spec.block_shape[0])].unsqueeze(0)
-    return expand_weight_scale(part, spec, (1, end - start, cols))[0]
+        part = scale.reshape(1) if spec.weight == "tensor" else scale.reshape(-1)[start:end].reshape(1, -1)
+    return (rows, cols), expand_weight_scale(part, spec, (1, rows, cols))[0]
 
 
 def check_device(device: str) -> torch.device:
@@ -92,21 +99,21 @@ def check_device(device: str) -> torch.device:
 
 def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None = None,
                          device: str = "auto") -> list[LayerWeightCheck]:
-    """Every MoE layer's experts of DST against SRC; the next chunk of experts is read (one thread)
-    while this one is compared, so reading and arithmetic overlap."""
+    """Every MoE layer's experts of DST against SRC; the next chunk of experts is read (SRC's and DST's
+    in a thread each) while this one is compared, so reading and arithmetic overlap."""
     original, quantized = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
     torch_device = check_device(device)
     chunks = [(layer, experts) for layer in sorted(original.layers) for experts in original.expert_chunks(layer)]
 
-    def load(chunk: tuple[int, range]):
-        return (original.load_experts(*chunk, torch_device), quantized.load_experts(*chunk, torch_device))
-
     results, error = [], None
-    with ThreadPoolExecutor(1) as reader:
-        ahead = reader.submit(load, chunks[0]) if chunks else None
+    with ThreadPoolExecutor(2) as reader:
+        def load(index: int):
+            return [reader.submit(c.load_experts, *chunks[index], torch_device) for c in (original, quantized)]
+
+        ahead = load(0) if chunks else None
         for index, (layer, experts) in enumerate(chunks):
-            a, b = ahead.result()
-            ahead = reader.submit(load, chunks[index + 1]) if index + 1 < len(chunks) else None
+            a, b = (future.result() for future in ahead)
+            ahead = load(index + 1) if index + 1 < len(chunks) else None
             error = error or RoundingError(torch_device)  # one per layer, its buffers freed after it
             for w, w_scale, q, scale in zip((a.w13_weight, a.w2_weight), a.quant_method.scales(a),
                                             (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
