@@ -1,4 +1,5 @@
-"""The one exception type that reaches users as a sentence instead of a traceback, and the exit codes.
+"""The exceptions that reach users as a sentence instead of a traceback (`UserError`, and `UsageError`
+for a wrong command line), and the exit codes.
 
 Exit codes, one rule for every command: 0 done (every check passed); 1 bad input: a file, folder,
 device or data that cannot be used as asked (a UserError); 2 bad usage: an unknown option, a missing

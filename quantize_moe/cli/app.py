@@ -62,9 +62,9 @@ def user_errors(function):
 
 
 def _print_auto_choice(options: Options, plan) -> None:
-    from quantize_moe.cli.report import auto_choice
+    from quantize_moe.plan.compatibility import explain_auto
 
-    if line := auto_choice(options, plan):
+    if line := explain_auto(options, plan.options, plan.written_experts, plan.fused_family, plan.family.name):
         stdout.print(line, highlight=False, soft_wrap=True)
 
 
@@ -260,15 +260,11 @@ def dequantize(
     """Write a bf16 copy of an FP8 checkpoint.
 
     Weights times their scales, without scale tensors or quantization_config."""
-    from quantize_moe.source.checkpoint import Checkpoint
     from quantize_moe.write.dequantize import dequantize_checkpoint
 
-    dequantize_checkpoint(src, dst, overwrite=overwrite)
-    written = Checkpoint(dst)  # what a reader of DST finds, from its headers
-    size = human_bytes(sum(info.nbytes for info in written.tensors.values()))
-    stdout.print(f"[green]wrote[/] {len(written.tensors)} tensors in bf16 ({size}, {len(written.shard_files)} "
-                 f"shard(s)) to {dst}", highlight=False)
-    written.close()
+    tensors, size, shards = dequantize_checkpoint(src, dst, overwrite=overwrite)
+    stdout.print(f"[green]wrote[/] {tensors} tensors in bf16 ({human_bytes(size)}, {shards} shard(s)) to {dst}",
+                 highlight=False)
 
 
 @command()
@@ -411,9 +407,10 @@ def evaluate(
         check_card_target(dst)
     batches = load_tokens(data, src, length, samples)
     report = run_evaluation(src, dst, batches, device, EvalThresholds(max_perplexity_ratio, max_kl, min_top1))
-    _emit(json.dumps(report.to_json(), indent=2), json_output, json_out, lambda: evaluation_table(report))
+    result = report.to_json()
+    _emit(json.dumps(result, indent=2), json_output, json_out, lambda: evaluation_table(report))
     if card:
-        record_evaluation(dst, report.to_json())
+        record_evaluation(dst, result)
     if not report.passed:
         console.print("[bold red]evaluation failed[/]: a threshold was not met")
         raise typer.Exit(EXIT_CHECK_FAILED)

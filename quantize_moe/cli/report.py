@@ -13,8 +13,7 @@ from rich.text import Text
 
 from quantize_moe.adapters import Kind
 from quantize_moe.console import DottedName, human_bytes, short_float
-from quantize_moe.plan.compatibility import block_tp_sizes, explain_auto, verdicts
-from quantize_moe.plan.options import Options
+from quantize_moe.plan.compatibility import block_tp_sizes, verdicts
 from quantize_moe.plan.plan import Plan
 from quantize_moe.check.validate import ValidationReport
 
@@ -78,11 +77,6 @@ def _expert_layout(plan: Plan) -> str:
                      + (f" ({', '.join(notes)})" if notes else ""))
     unfused = all(layout.unfused for layout in plan.family.fused)
     return "fused: " + "; ".join(parts) + ("; written one Linear per expert and projection" if unfused else "")
-
-
-def auto_choice(requested: Options, plan: Plan) -> str | None:
-    """The line saying what `auto` chose for this checkpoint and why."""
-    return explain_auto(requested, plan.options, plan.written_experts, plan.fused_family, plan.family.name)
 
 
 def decisions_table(plan: Plan, wide: bool = False) -> Table:

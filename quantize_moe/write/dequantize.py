@@ -19,8 +19,9 @@ from quantize_moe.write.shard_file import ShardFile
 
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16, *,
-                          overwrite: bool = False) -> None:
-    """Write SRC into DST in `dtype`, shard by shard, without scales or quantization_config."""
+                          overwrite: bool = False) -> tuple[int, int, int]:
+    """Write SRC into DST in `dtype`, shard by shard, without scales or quantization_config; returns the
+    tensors, bytes and shards written."""
     src, dst = Path(src), Path(dst)
     reader = SourceReader(Checkpoint(src), dtype)
     checkpoint = reader.checkpoint
@@ -53,3 +54,4 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype =
     config = {k: v for k, v in checkpoint.raw_config.items() if k != "quantization_config"}
     write_json(dst / CONFIG_NAME, config)
     reader.close()
+    return len(weight_map), total, len(set(weight_map.values()))
