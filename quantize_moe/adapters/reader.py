@@ -57,8 +57,8 @@ class SourceReader:
         self.checkpoint, self.dtype = checkpoint, dtype
         self.spec, self.scale_suffix = read_quantization(checkpoint.raw_config, where)
         self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
-        config = parse_config(checkpoint.raw_config, self.family, where, checkpoint.tensors)
-        self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(config)}
+        self.config = parse_config(checkpoint.raw_config, self.family, where, checkpoint.tensors)
+        self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(self.config)}
         check_weights_match_config(checkpoint, self.quantized, where)
 
     @property

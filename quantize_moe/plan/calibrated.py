@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 from quantize_moe.adapters import Kind, PerExpertFamily, TensorRole
 from quantize_moe.errors import UserError
 from quantize_moe.plan.options import Options
+from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.static import KV_SCALES, W2, W13, ActivationAmax, input_scale
 
 
@@ -30,7 +31,7 @@ def _scale_amax(names: list[str], roles: dict[str, TensorRole], amax: Activation
     input scales of one scale group, which share the largest amax of its members (they see one input)."""
     if names[0].endswith(KV_SCALES):
         return {name: _measured_kv(amax, name) for name in names}
-    shared = max(_measured(amax, roles[name.removesuffix(".input_scale")]) for name in names)
+    shared = max(_measured(amax, roles[name.removesuffix(f".{INPUT_SCALE}")]) for name in names)
     return dict.fromkeys(names, shared)
 
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PretrainedConfig
 
-from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole, parse_config
+from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole
 from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.plan.compatibility import resolve_options
 from quantize_moe.plan.options import Options
 from quantize_moe.errors import UserError
-from quantize_moe.quantization.formats import FORMATS, read_quantization
+from quantize_moe.quantization.formats import FORMATS, INPUT_SCALE, read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.schemes import SCHEMES
 from quantize_moe.plan.calibrated import check_calibrated_outputs
@@ -195,7 +195,7 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
     where = f"'{checkpoint.folder / CONFIG_NAME}'"
     source = SourceReader(checkpoint, dtype=torch.float32, adapter=options.adapter)
     family = source.family
-    config = parse_config(checkpoint.raw_config, family, where, checkpoint.tensors)
+    config = source.config  # parsed once, by the reader
     roles = {name: family.role(name, len(checkpoint.tensors[name].shape)) for name in source.names}
     moe_layers = family.moe_layers(config)
     num_experts = {info.layer: info.num_experts for info in moe_layers}
@@ -304,7 +304,7 @@ def _work_items(decisions: dict[str, Decision], options: Options, num_experts: d
                               sum(i.nbytes for i in infos)))
         if options.activations == "static" and decisions[names[0]].quantize:
             items.append(WorkItem((), False, tuple(
-                OutputTensor(f"{decisions[i.name].role.module}.input_scale", fmt.scale_dtype(i.dtype),
+                OutputTensor(f"{decisions[i.name].role.module}.{INPUT_SCALE}", fmt.scale_dtype(i.dtype),
                              fmt.scale_shape(scheme, i.shape)) for i in infos), 0))
     return items
 

@@ -74,9 +74,10 @@ def source_records(checkpoint: Checkpoint) -> dict[str, list]:
 
 
 def _shard_record(path: Path) -> list:
-    digest, size = hashlib.sha256(), path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
+    digest, fd = hashlib.sha256(), os.open(path, os.O_RDONLY)
     try:
+        stat = os.fstat(fd)  # size and mtime of the one file that is read
+        size = stat.st_size
         header_end = 0  # a pickle shard (--allow-pickle) is only sampled
         if path.suffix == ".safetensors":
             header_end = min(size, 8 + int.from_bytes(os.pread(fd, 8, 0), "little"))
@@ -86,7 +87,7 @@ def _shard_record(path: Path) -> list:
             digest.update(os.pread(fd, SAMPLE_BYTES, header_end + span * i // max(1, SAMPLES_PER_SHARD - 1)))
     finally:
         os.close(fd)
-    return [size, path.stat().st_mtime_ns, digest.hexdigest()]
+    return [size, stat.st_mtime_ns, digest.hexdigest()]
 
 
 class Manifest:
