@@ -67,10 +67,16 @@ def _experts_forward(module: torch.nn.Module, reader: SourceReader, a13: torch.T
     return forward
 
 
+def plain_gated_experts(module: torch.nn.Module) -> bool:
+    """transformers' experts module in the layout the torch reference runs: gate and up concatenated in
+    `gate_up_proj`, no biases, no norm after the experts (calibration measures the same layout)."""
+    return (not getattr(module, "has_bias", True) and getattr(module, "has_gate", False)
+            and getattr(module, "is_concatenated", False) and not getattr(module, "has_post_expert_norm", False))
+
+
 def _experts_module(layer: torch.nn.Module, where: str) -> torch.nn.Module:
     candidates = [m for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
-    if len(candidates) != 1 or getattr(candidates[0], "has_bias", True) or \
-            not getattr(candidates[0], "has_gate", False) or not getattr(candidates[0], "is_concatenated", False):
+    if len(candidates) != 1 or not plain_gated_experts(candidates[0]):
         raise UserError(f"{where}: the FP8 experts are not in one gated, bias-free experts module of "
                         "transformers, so their activations cannot be quantized as an engine does; evaluate "
                         "cannot run this family's FP8 checkpoint.")
@@ -100,11 +106,11 @@ def _kv_cache_as_declared(reader: SourceReader, layer: torch.nn.Module, prefix: 
 
 
 @contextmanager
-def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, index: int, config):
-    """While the block runs, decoder layer `index` (materialised, named `model.layers.{index}` in the
-    checkpoint, of the model built from `config`) rounds the inputs of its FP8 GEMMs and its KV cache as the
-    checkpoint's quantization_config says."""
-    prefix, tensors = f"model.layers.{index}.", reader.checkpoint.tensors
+def activations_as_declared(reader: SourceReader, layer: torch.nn.Module, prefix: str, index: int, config):
+    """While the block runs, decoder layer `index` (materialised, its checkpoint tensors under `prefix`, of
+    the model built from `config`) rounds the inputs of its FP8 GEMMs and its KV cache as the checkpoint's
+    quantization_config says."""
+    tensors = reader.checkpoint.tensors
     where = f"'{reader.checkpoint.folder}' layer {index}"
     fp8 = [n for n, info in tensors.items() if n.startswith(prefix) and info.dtype == FP8_DTYPE]
     roles = {name: reader.family.role(name, len(tensors[name].shape)) for name in fp8}

@@ -22,6 +22,7 @@ import torch
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.static import W2, W13, ActivationAmax
+from quantize_moe.run.activations import plain_gated_experts
 from quantize_moe.run.attention import attention_through
 from quantize_moe.run.executor import LayerStreamedModel
 
@@ -29,19 +30,17 @@ from quantize_moe.run.executor import LayerStreamedModel
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _largest(store: dict, key, x: torch.Tensor) -> None:
-    """Running amax kept on the device: no synchronisation per call."""
+def _largest(store: dict, key, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+    """Running amax kept on the device: no synchronisation per call (`amax`: x's, already computed)."""
     if x.numel():
-        value = x.detach().abs().amax().float()
+        value = x.detach().abs().amax().float() if amax is None else amax
         store[key] = value if key not in store else torch.maximum(store[key], value)
 
 
 def _experts_layout(module: torch.nn.Module, name: str) -> None:
     """Only the layout most families share: gate and up concatenated in `gate_up_proj` [E, 2I, H],
     `down_proj` [E, H, I], no biases."""
-    if getattr(module, "is_transposed", True) or not getattr(module, "is_concatenated", False) \
-            or getattr(module, "has_bias", True) or not getattr(module, "has_gate", False) \
-            or getattr(module, "has_post_expert_norm", False):
+    if getattr(module, "is_transposed", True) or not plain_gated_experts(module):
         raise UserError(f"The experts of '{name}' are laid out in a way calibration does not measure "
                         "(transposed, interleaved, biased or ungated); use --activations dynamic.")
 
@@ -66,9 +65,10 @@ class _Collector:
         counts = torch.bincount(index.flatten(), minlength=experts)[:experts]
         self.routed[layer] = counts if layer not in self.routed else self.routed[layer] + counts
         step = max(1, _CHUNK_ELEMENTS // module.gate_up_proj.shape[1])
+        every_token = None if self.routed_only else hidden.abs().amax().float()  # every expert's w13 input
         for expert in range(experts):
             tokens = hidden[(index == expert).any(-1)] if self.routed_only else hidden
-            _largest(self.experts, (layer, expert, W13), tokens)
+            _largest(self.experts, (layer, expert, W13), tokens, every_token)
             for start in range(0, len(tokens), step):
                 gate_up = torch.nn.functional.linear(tokens[start:start + step], module.gate_up_proj[expert])
                 _largest(self.experts, (layer, expert, W2), module._apply_gate(gate_up))
@@ -105,7 +105,7 @@ KV_ATTENTION = "quantize-moe-kv-calibration"
 def _recording_kv(model: LayerStreamedModel, collector: _Collector):
     """Run the model's attention through a recorder of the keys and values it is given (per attention
     module, as `<module>.k_scale` / `.v_scale`)."""
-    names = {id(module): name for name, module in model.layers.named_modules(prefix="model.layers")}
+    names = {id(module): name for name, module in model.layers.named_modules(prefix=model.names[model.layers])}
 
     def record(module, key, value):
         _largest(collector.kv, f"{names[id(module)]}.k_scale", key)
@@ -123,7 +123,7 @@ def calibrate(reader: SourceReader, batches: list[torch.Tensor], device: str = "
     model = LayerStreamedModel(reader, device)
     collector = _Collector(routed_only)
     hooks = []
-    for name, module in model.layers.named_modules(prefix="model.layers") if activations else ():
+    for name, module in model.layers.named_modules(prefix=model.names[model.layers]) if activations else ():
         if isinstance(module, torch.nn.Linear):
             hooks.append(module.register_forward_pre_hook(partial(collector.linear, name)))
         elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):

@@ -172,7 +172,7 @@ class LayerStreamedModel:
         hidden, per_layer = self._layer_inputs(batches)
         for index, layer in enumerate(self.layers):
             self._materialise(layer, f"layer {index}")
-            with activations_as_declared(self.reader, layer, index, self.config):
+            with activations_as_declared(self.reader, layer, self.names[layer] + ".", index, self.config):
                 for b, calls in enumerate(per_layer):
                     args, kwargs = calls[index]
                     out = layer(hidden[b], *args, **kwargs)
