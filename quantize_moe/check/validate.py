@@ -107,7 +107,6 @@ def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.
     checkpoint: the output of the norm in front of the block, one decoder layer in memory at a time."""
     from quantize_moe.adapters.reader import SourceReader
     from quantize_moe.run.executor import LayerStreamedModel
-    from quantize_moe.source.checkpoint import Checkpoint
 
     norms = {}
     for layer in layers:
@@ -116,11 +115,8 @@ def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.
             raise UserError(f"'{moe.checkpoint.folder}' has no norm in front of MoE layer {layer}, where --data "
                             "would read its hidden states; give --hidden-states instead.")
         norms[layer] = norm.removesuffix(".weight")
-    reader = SourceReader(Checkpoint(moe.checkpoint.folder), adapter=adapter)
-    try:
-        yield from LayerStreamedModel(reader, str(device)).outputs_of(batches, norms)
-    finally:
-        reader.close()
+    # SRC's open checkpoint, shared: its owner closes it
+    yield from LayerStreamedModel(SourceReader(moe.checkpoint, adapter=adapter), str(device)).outputs_of(batches, norms)
 
 
 def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, x: torch.Tensor, *, device: torch.device,

@@ -333,6 +333,7 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
                        "MoE layer(s) outside FP8 rounding of the source")
     problems, compared = [], 0
     reader = SourceReader(inventory.checkpoint, torch.float32, inventory.adapter)
+    error = RoundingError(device)  # in row blocks through buffers reused by every tensor: none is copied whole
     for name, stored in inventory.tensors.items():
         if stored.role.kind == Kind.ROUTED_EXPERT or name not in source.tensors:
             continue
@@ -341,7 +342,7 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
             if not torch.equal(original, inventory.checkpoint.get(name)):
                 problems.append(f"kept tensor '{name}' differs from the source")
             continue
-        error = RoundingError(device)  # in row blocks: a large dense weight is never copied whole
+        error.reset()
         error.add(original, inventory.checkpoint.get(name), reader.stored_scale(name), reader.spec)
         ratio = error.result()[1]
         if ratio > 1.0:

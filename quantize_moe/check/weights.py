@@ -41,6 +41,10 @@ class RoundingError:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # error², norm², worst ratio
         self.buffers = torch.empty(3, 0, device=device)
 
+    def reset(self) -> None:
+        """Start summing another set of matrices, keeping the buffers."""
+        self.sums.zero_()
+
     def add(self, original: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: MoEQuantSpec,
             original_scale: tuple[torch.Tensor, MoEQuantSpec] | None = None) -> None:
         """One 2-D FP8 matrix `q` with its own `scale` (scalar, `[N]`/`[N, 1]` or the block grid) against

@@ -40,10 +40,11 @@ def calibration_for(options: Options, src: Path, device: str):
     from quantize_moe.run.calibration import calibrate
     from quantize_moe.run.tokens import TokenOptions, load_tokens, tokens_digest
     from quantize_moe.write.job import Calibration
+    from quantize_moe.write.pipeline import parse_devices
 
     batches = load_tokens(Path(options.calibration), src, options.calibration_length, options.calibration_samples,
                           TokenOptions("--calibration", "--calibration-length", "--calibration-samples", strict=True))
-    first_device = device.split(",")[0].strip()  # the model runs on one device
+    first_device = str(parse_devices(device)[0])  # the model runs on one device
 
     def measure(plan):
         console.print(f"calibrating on {sum(b.numel() for b in batches)} tokens, one layer at a time")
