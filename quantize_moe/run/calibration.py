@@ -26,13 +26,15 @@ from quantize_moe.run.activations import plain_gated_experts
 from quantize_moe.run.attention import attention_through
 from quantize_moe.run.executor import LayerStreamedModel
 
-# Elements of one expert's gate/up output computed at a time (tokens x 2I): 32 MB in bf16.
-_CHUNK_ELEMENTS = 1 << 24
+# Elements of gate/up output computed at a time (experts x tokens x 2I): 32 MB of bf16 on a CPU, where
+# calibration's memory is one layer plus the activations; 512 MB on a GPU, where one batched matmul over
+# several experts and thousands of tokens runs near the peak and small per-expert ones do not.
+_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
 def _largest(store: dict, key, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
     """Running amax kept on the device: no synchronisation per call (`amax`: x's, already computed)."""
-    if x.numel():
+    if amax is not None or x.numel():
         value = x.detach().abs().amax().float() if amax is None else amax
         store[key] = value if key not in store else torch.maximum(store[key], value)
 
@@ -43,6 +45,23 @@ def _experts_layout(module: torch.nn.Module, name: str) -> None:
     if getattr(module, "is_transposed", True) or not plain_gated_experts(module):
         raise UserError(f"The experts of '{name}' are laid out in a way calibration does not measure "
                         "(transposed, interleaved, biased or ungated); use --activations dynamic.")
+
+
+def _gated_amax(module: torch.nn.Module, tokens: torch.Tensor, first: int, budget: int, count: int = 1) -> torch.Tensor:
+    """Largest |act(gate) * up| of experts `first`..`first + count` over `tokens` (w2's inputs), one float32
+    per expert, computed as batched matmuls of at most `budget` output elements."""
+    width = module.gate_up_proj.shape[1]
+    token_step = max(1, min(len(tokens), budget // width))
+    expert_step = max(1, budget // (token_step * width))
+    largest = torch.zeros(count, dtype=torch.float32, device=tokens.device)
+    for start in range(first, first + count, expert_step):
+        weights = module.gate_up_proj[start:min(start + expert_step, first + count)].transpose(1, 2)
+        group = slice(start - first, start - first + len(weights))
+        for row in range(0, len(tokens), token_step):
+            gated = module._apply_gate(torch.matmul(tokens[row:row + token_step], weights))  # [e, t, I]
+            amax = torch.maximum(gated.amax(dim=(1, 2)), -gated.amin(dim=(1, 2))).float()
+            largest[group] = torch.maximum(largest[group], amax)
+    return largest
 
 
 class _Collector:
@@ -64,14 +83,19 @@ class _Collector:
         experts = module.gate_up_proj.shape[0]
         counts = torch.bincount(index.flatten(), minlength=experts)[:experts]
         self.routed[layer] = counts if layer not in self.routed else self.routed[layer] + counts
-        step = max(1, _CHUNK_ELEMENTS // module.gate_up_proj.shape[1])
-        every_token = None if self.routed_only else hidden.abs().amax().float()  # every expert's w13 input
+        budget = _CHUNK_ELEMENTS.get(hidden.device.type, _CHUNK_ELEMENTS["cpu"])
+        if self.routed_only:
+            for expert in range(experts):
+                tokens = hidden[(index == expert).any(-1)]
+                _largest(self.experts, (layer, expert, W13), tokens)
+                if len(tokens):
+                    _largest(self.experts, (layer, expert, W2), None, _gated_amax(module, tokens, expert, budget)[0])
+            return
+        every_token = hidden.abs().amax().float()  # every expert's w13 input: the same tokens for all
+        gated = _gated_amax(module, hidden, 0, budget, experts)
         for expert in range(experts):
-            tokens = hidden[(index == expert).any(-1)] if self.routed_only else hidden
-            _largest(self.experts, (layer, expert, W13), tokens, every_token)
-            for start in range(0, len(tokens), step):
-                gate_up = torch.nn.functional.linear(tokens[start:start + step], module.gate_up_proj[expert])
-                _largest(self.experts, (layer, expert, W2), module._apply_gate(gate_up))
+            _largest(self.experts, (layer, expert, W13), hidden, every_token)
+            _largest(self.experts, (layer, expert, W2), None, gated[expert])
 
     def result(self, tokens: int) -> ActivationAmax:
         for store in (self.linears, self.kv, self.experts):
