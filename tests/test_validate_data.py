@@ -36,10 +36,12 @@ def test_captured_inputs_are_what_the_full_forward_feeds_each_moe_block(family, 
     for index, layer in enumerate(getattr(model.base_model, "layers", None) or model.base_model.blocks):
         block = getattr(layer, MOE_BLOCK[family], None)
         if hasattr(block, "experts"):  # dense layers have an MLP without experts, or none (Jamba)
-            block.register_forward_pre_hook(lambda _, args, index=index: seen.update({f"layers.{index}": args[0].flatten(0, -2)}))
-    with torch.no_grad():
-        model(input_ids=ids)
-    save_file({k: v.contiguous() for k, v in seen.items()}, tmp_path / "captured.safetensors")
+            block.register_forward_pre_hook(lambda _, args, index=index: seen.setdefault(f"layers.{index}", []).append(
+                args[0].flatten(0, -2)))
+    with torch.no_grad():  # one row per forward, as the streamed run batches them: the same bf16 kernels
+        for row in ids:
+            model(input_ids=row[None])
+    save_file({k: torch.cat(v) for k, v in seen.items()}, tmp_path / "captured.safetensors")
 
     streamed = validate(src, dst, batches=[row[None] for row in ids], device="cpu")
     assert [f"layers.{r.layer}" for r in streamed.layers] == sorted(seen)
