@@ -7,7 +7,6 @@ picks the method object, and the layer's weight loader does the rest.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from transformers import PretrainedConfig
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.adapters.reader import check_weights_match_config
-from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.source.checkpoint import CONFIG_NAME, READ_THREADS, Checkpoint
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import INPUT_SCALE, read_quantization
 from quantize_moe.moe.layer import FusedMoE
@@ -28,7 +27,6 @@ from quantize_moe.moe.methods import method_for_spec
 from quantize_moe.quantization.spec import MoEQuantSpec
 
 EXPERT_CHUNK_BYTES = 256 << 20  # bf16 weights of the experts a check holds at once
-READ_THREADS = min(16, max(4, os.cpu_count() or 1))  # parallel reads of a layer's expert weights
 
 
 @dataclass

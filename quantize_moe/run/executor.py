@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
+from quantize_moe.source.checkpoint import READ_THREADS
 from quantize_moe.run.activations import activations_as_declared
 
 
@@ -110,19 +112,25 @@ class LayerStreamedModel:
                             "lm_head are not laid out as in a causal LM; it cannot be run layer by layer.")
         self.layers, self.norm = self.model.get_submodule(layers), norms[0]
 
-    def _materialise(self, module: torch.nn.Module, what: str, prefix: str | None = None) -> None:
-        """Load the checkpoint tensors under `module`'s name (or `prefix`) into the meta model through
-        transformers' own checkpoint-to-module conversions (fused experts, renamings); every tensor of
-        `module` must get one."""
+    def _read(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors under `prefix` in high precision, read (and dequantized) by several threads."""
+        names = [name for name in self.reader.names if name.startswith(prefix)]
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            return dict(zip(names, pool.map(self.reader.get, names)))
+
+    def _materialise(self, module: torch.nn.Module, what: str, prefix: str | None = None,
+                     state: dict[str, torch.Tensor] | None = None) -> None:
+        """Load the checkpoint tensors under `module`'s name (or `prefix`; or `state`, already read) into
+        the meta model through transformers' own checkpoint-to-module conversions (fused experts,
+        renamings); every tensor of `module` must get one."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        prefix = prefix or self.names[module] + "."
-        state = {name: self.reader.get(name) for name in self.reader.names if name.startswith(prefix)}
+        state = self._read(prefix or self.names[module] + ".") if state is None else state
         _return_freed_memory()  # the float32 intermediates of dequantizing FP8 tensors
         convert_and_load_state_dict_in_model(self.model, state, LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self.conversions))
-        del state  # the per-expert tensors transformers fused into copies
+        state.clear()  # the per-expert tensors transformers fused into copies (the caller's dict too)
         _return_freed_memory()
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
         if missing:
@@ -167,19 +175,32 @@ class LayerStreamedModel:
     @torch.no_grad()
     def hidden_states(self, batches: list[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(layer index, output hidden states per batch) after each decoder layer, in order; only one
-        layer's weights are in memory at a time, and none while the caller holds a yielded value."""
+        layer's weights are in memory at a time (on a GPU, plus the next one's being read on the host while
+        this one runs), and none of the current layer while the caller holds a yielded value."""
         self.check_tokens(batches)
         hidden, per_layer = self._layer_inputs(batches)
-        for index, layer in enumerate(self.layers):
-            self._materialise(layer, f"layer {index}")
-            with activations_as_declared(self.reader, layer, self.names[layer] + ".", index, self.config):
-                for b, calls in enumerate(per_layer):
-                    args, kwargs = calls[index]
-                    out = layer(hidden[b], *args, **kwargs)
-                    hidden[b] = out[0] if isinstance(out, tuple) else out
-            layer.to("meta")
-            _return_freed_memory()
-            yield index, hidden
+        prefixes = [self.names[layer] + "." for layer in self.layers]
+        # On a CPU the read would share the cores and the memory with the layer's forward: layers load in turn.
+        ahead = ThreadPoolExecutor(1) if self.device.type != "cpu" else None
+        pending = None
+        try:
+            for index, layer in enumerate(self.layers):
+                state = pending.result() if pending is not None else self._read(prefixes[index])
+                pending = None
+                self._materialise(layer, f"layer {index}", state=state)
+                if ahead is not None and index + 1 < len(prefixes):
+                    pending = ahead.submit(self._read, prefixes[index + 1])
+                with activations_as_declared(self.reader, layer, prefixes[index], index, self.config):
+                    for b, calls in enumerate(per_layer):
+                        args, kwargs = calls[index]
+                        out = layer(hidden[b], *args, **kwargs)
+                        hidden[b] = out[0] if isinstance(out, tuple) else out
+                layer.to("meta")
+                _return_freed_memory()
+                yield index, hidden
+        finally:
+            if ahead is not None:
+                ahead.shutdown(cancel_futures=True)
 
     @torch.no_grad()
     def outputs_of(self, batches: list[torch.Tensor], modules: dict[int, str]) -> Iterator[tuple[int, torch.Tensor]]:

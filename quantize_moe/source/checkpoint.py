@@ -33,6 +33,10 @@ PICKLE_SINGLE_NAME = "pytorch_model.bin"
 CONFIG_NAME = "config.json"
 SHARD_NAME = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")  # save_pretrained's shards
 
+# Threads reading one stage's tensors at once: `read_into` is pread, which releases the GIL, so the disk
+# (or the page cache) sees many reads in flight.
+READ_THREADS = min(16, max(4, os.cpu_count() or 1))
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
