@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snapshot, src  # noqa: F401
 
 EXPERT = "model.layers.0.block_sparse_moe.experts.0.w1.weight"

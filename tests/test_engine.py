@@ -20,7 +20,8 @@ from quantize_moe.plan.options import Options
 from quantize_moe.write.job import quantize_checkpoint
 from quantize_moe.quantization.schemes import SCHEMES
 from quantize_moe.write import shard_file
-from quantize_moe.source.tensor_bytes import data_offsets, read_into
+from quantize_moe.source.tensor_bytes import read_into
+from quantize_moe.source.locations import data_offsets
 from quantize_moe.write.shard_file import ShardFile, safetensors_header
 
 SMALL_SHARDS = 60_000

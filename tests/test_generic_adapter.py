@@ -12,7 +12,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from quantize_moe.cli.app import app
 from quantize_moe.plan.plan import make_plan
 from quantize_moe.plan.options import Options

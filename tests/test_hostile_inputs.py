@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from quantize_moe.write.destination import MANIFEST_NAME, RUN_FILES, RUN_RECORD
 from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snapshot, src  # noqa: F401
 from test_bad_inputs import EXPERT, edit_config, edit_tensor, shard_of

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from quantize_moe.errors import UserError
 from quantize_moe.plan.plan import make_plan
 from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint

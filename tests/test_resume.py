@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from quantize_moe.source.checkpoint import CONFIG_NAME
+from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.write.digests import file_digest
 from quantize_moe.write.manifest import MANIFEST_NAME, Manifest
 from robust_checks import SHARD_SIZE, assert_refused, mixtral_src, run_cli, snapshot  # noqa: F401

@@ -13,7 +13,8 @@ import torch
 
 from quantize_moe.adapters import Kind, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
-from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE

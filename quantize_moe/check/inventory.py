@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import PerExpertFamily, TensorRole, adapter_for, parse_config
-from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.source.checkpoint import Checkpoint, TensorInfo
+from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.adapters.fused import scale_name
 from quantize_moe.adapters.reader import SCALE_SUFFIXES
 from quantize_moe.quantization.formats import read_quantization, reads_kv_cache

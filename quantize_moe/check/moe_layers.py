@@ -19,7 +19,8 @@ from transformers import PretrainedConfig
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, adapter_for, parse_config
 from quantize_moe.adapters.fused import FusedLayout, scale_name
 from quantize_moe.adapters.reader import check_weights_match_config
-from quantize_moe.source.checkpoint import CONFIG_NAME, READ_THREADS, Checkpoint
+from quantize_moe.source.checkpoint import READ_THREADS, Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import INPUT_SCALE, read_quantization
 from quantize_moe.moe.layer import FusedMoE

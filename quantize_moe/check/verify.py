@@ -22,28 +22,21 @@ import torch
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import Kind
 from quantize_moe.check.weights import RoundingError, check_device, check_expert_weights
-from quantize_moe.source.checkpoint import INDEX_NAME, Checkpoint, inside, read_json_object
+from quantize_moe.source.checkpoint import Checkpoint, read_json_object
+from quantize_moe.source.locations import INDEX_NAME
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import EXIT_CHECK_FAILED, EXIT_OK, UserError
 from quantize_moe.quantization.formats import INPUT_SCALE
 from quantize_moe.quantization.ignore_list import ignore_matcher
 from quantize_moe.quantization.static import KV_SCALES
 from quantize_moe.adapters.fused import scale_name
+from quantize_moe.check.findings import Finding, finding
+from quantize_moe.check.integrity import IntegrityCheck
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
-from quantize_moe.write.manifest import Manifest
-from quantize_moe.write.destination import MANIFEST_NAME, PARTIAL_SUFFIX
+from quantize_moe.write.destination import PARTIAL_SUFFIX
 from quantize_moe.plan.plan import scale_siblings
 
-EXAMPLES = 5
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    status: str  # pass | warn | fail | skip
-    message: str
-    examples: tuple[str, ...] = ()
 
 
 @dataclass
@@ -62,12 +55,6 @@ class VerifyReport:
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "exit_code": self.exit_code, **asdict(self)}, indent=2)
-
-
-def _finding(check: str, problems: list[str], passed: str, failed: str, status: str = "fail") -> Finding:
-    if not problems:
-        return Finding(check, "pass", passed)
-    return Finding(check, status, f"{len(problems)} {failed}", tuple(problems[:EXAMPLES]))
 
 
 # -- structure --------------------------------------------------------------------------------------
@@ -141,7 +128,7 @@ def check_structure(checkpoint: Checkpoint, inventory: Inventory, source: Checkp
         problems += [f"'{n}' is not in the source" for n in inventory.tensors if n not in written]
     summary = (f"{len(checkpoint.tensors)} tensors in {len(checkpoint.shard_files)} shard(s); index, scales "
                f"and {'source ' if source else ''}shapes consistent")
-    return _finding("structure", problems, summary, "structural problem(s)")
+    return finding("structure", problems, summary, "structural problem(s)")
 
 
 # -- metadata ---------------------------------------------------------------------------------------
@@ -178,7 +165,7 @@ def check_metadata(inventory: Inventory) -> Finding:
     summary = f"{qc.get('quant_method')} config; its {len(entries)} ignore entries are exactly the kept Linears"
     if inventory.kv_cache:
         summary += f"; FP8 KV cache scales for {len(inventory.attention)} attention modules"
-    return _finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
+    return finding("metadata", problems, summary, "inconsistency(ies) between quantization_config and tensors")
 
 
 def _static_input_scale_problems(inventory: Inventory) -> list[str]:
@@ -231,8 +218,8 @@ def check_scales(inventory: Inventory) -> Finding:
             problems.append(f"'{name}' holds NaN or Inf")
         elif (scale <= 0).any():
             problems.append(f"'{name}' holds a zero or negative scale")
-    return _finding("scales", problems, f"{len(inventory.scales)} scale tensors finite and positive",
-                    "scale tensor(s) not finite and positive")
+    return finding("scales", problems, f"{len(inventory.scales)} scale tensors finite and positive",
+                   "scale tensor(s) not finite and positive")
 
 
 def check_shared_scales(inventory: Inventory) -> Finding:
@@ -258,8 +245,8 @@ def check_shared_scales(inventory: Inventory) -> Finding:
                             for n in names], dim=1)
         if not torch.equal(scales, scales[:, :1].expand_as(scales)):
             problems.append(f"'{where}' has different scales")
-    return _finding("shared scales", problems, f"{len(groups)} fused groups share one scale each",
-                    "fused group(s) with different scales (vLLM requantizes them at load)")
+    return finding("shared scales", problems, f"{len(groups)} fused groups share one scale each",
+                   "fused group(s) with different scales (vLLM requantizes them at load)")
 
 
 # -- coverage ---------------------------------------------------------------------------------------
@@ -289,34 +276,8 @@ def check_coverage(inventory: Inventory) -> Finding:
     problems += [f"'{name}' is FP8 but must stay high precision ({s.role.reason})"
                  for name, s in inventory.tensors.items()
                  if s.quantized and s.role.kind in (Kind.ROUTER, Kind.HIGH_PRECISION)]
-    return _finding("coverage", problems, f"all {total} routed expert projections FP8; routers, embeddings, "
-                    "norms and lm_head kept", "coverage problem(s)")
-
-
-# -- integrity --------------------------------------------------------------------------------------
-def check_integrity(checkpoint: Checkpoint) -> Finding:
-    """Every file the run's manifest lists still has its size and digest, and the run finished. Shard
-    sizes against their own headers are already checked when the checkpoint is opened."""
-    folder = checkpoint.folder
-    try:
-        manifest = Manifest.load(folder)
-    except UserError as e:
-        return Finding("integrity", "fail", str(e))
-    if manifest is None:
-        return Finding("integrity", "warn", f"no {MANIFEST_NAME} (not written by quantize-moe?): shard sizes "
-                       "match their headers, hashes not checked")
-    for name in manifest.files:
-        inside(folder, name, f"'{manifest.path}'")
-    intact = manifest.matching(manifest.files)
-    problems = []
-    for name in sorted(manifest.files):
-        if name not in intact:
-            problems.append(f"'{name}' is missing or no longer has its size and digest from the manifest")
-    if not manifest.complete:
-        problems.append("the manifest says the run did not finish; rerun quantize with --resume")
-    problems += [f"shard '{f}' is not in the manifest" for f in checkpoint.shard_files if f not in manifest.files]
-    return _finding("integrity", problems, f"{len(manifest.files)} files match the sizes and digests of "
-                    f"{MANIFEST_NAME}", "integrity problem(s)")
+    return finding("coverage", problems, f"all {total} routed expert projections FP8; routers, embeddings, "
+                   "norms and lm_head kept", "coverage problem(s)")
 
 
 # -- numerics ---------------------------------------------------------------------------------------
@@ -325,12 +286,12 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
     rounding of the source; every kept tensor bit-identical to the source."""
     device = check_device("auto")
     layers = check_expert_weights(source.folder, inventory.checkpoint.folder, inventory.adapter, str(device))
-    experts = _finding("numerics: experts",
-                       [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"
-                        for c in layers if not c.ok],
-                       f"{len(layers)} MoE layers within FP8 rounding (worst "
-                       f"{max((c.worst_bound_ratio for c in layers), default=0):.2f} of the bound)",
-                       "MoE layer(s) outside FP8 rounding of the source")
+    experts = finding("numerics: experts",
+                      [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"
+                       for c in layers if not c.ok],
+                      f"{len(layers)} MoE layers within FP8 rounding (worst "
+                      f"{max((c.worst_bound_ratio for c in layers), default=0):.2f} of the bound)",
+                      "MoE layer(s) outside FP8 rounding of the source")
     problems, compared = [], 0
     reader = SourceReader(inventory.checkpoint, torch.float32, inventory.adapter)
     error = RoundingError(device)  # in row blocks through buffers reused by every tensor: none is copied whole
@@ -347,8 +308,8 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
         ratio = error.result()[1]
         if ratio > 1.0:
             problems.append(f"'{name}': worst error {ratio:.2f}x the FP8 rounding bound")
-    others = _finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "
-                      "ones bit for bit, FP8 ones within rounding)", "tensor(s) differ from the source")
+    others = finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "
+                     "ones bit for bit, FP8 ones within rounding)", "tensor(s) differ from the source")
     return [experts, others, check_layer_outputs(inventory, source)]
 
 
@@ -361,20 +322,30 @@ def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
     from quantize_moe.check.validate import validate
 
     report = validate(source.folder, inventory.checkpoint.folder, device="cuda", adapter=inventory.adapter)
-    return _finding("numerics: layer outputs",
-                    [f"layer {r.layer}: relative error {r.relative_error:.1e}, cosine {r.cosine:.4f}"
+    return finding("numerics: layer outputs",
+                   [f"layer {r.layer}: relative error {r.relative_error:.1e}, cosine {r.cosine:.4f}"
                      for r in report.layers if not r.passed],
-                    f"{len(report.layers)} MoE layers' FP8 outputs on {report.device} within the validate "
-                    "thresholds", "MoE layer(s) fail validate's thresholds")
+                   f"{len(report.layers)} MoE layers' FP8 outputs on {report.device} within the validate "
+                   "thresholds", "MoE layer(s) fail validate's thresholds")
 
 
-def verify(folder: str | Path, source: Checkpoint | None = None, adapter: str | None = None) -> VerifyReport:
+def verify(folder: str | Path, source: Checkpoint | None = None, adapter: str | None = None,
+           integrity: IntegrityCheck | None = None) -> VerifyReport:
     """Run every check on the checkpoint in `folder`; `source` adds the checks against SRC; `adapter`
-    ("generic") reads both through the generic adapter."""
+    ("generic") reads both through the generic adapter; `integrity` is the integrity check the caller
+    started on `folder` before importing this module (otherwise it starts here, first)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"DST '{folder}' does not exist or is not a folder; point verify at a quantized "
                         "checkpoint folder.")
+    if integrity is None:
+        with IntegrityCheck(folder) as integrity:
+            return _run_checks(folder, source, adapter, integrity)
+    return _run_checks(folder, source, adapter, integrity)
+
+
+def _run_checks(folder: Path, source: Checkpoint | None, adapter: str | None,
+                integrity: IntegrityCheck) -> VerifyReport:
     report = VerifyReport(str(folder), str(source.folder) if source else None)
     try:
         checkpoint = Checkpoint(folder)
@@ -388,7 +359,7 @@ def verify(folder: str | Path, source: Checkpoint | None = None, adapter: str | 
         return report
     report.findings += [check_structure(checkpoint, inventory, source), check_metadata(inventory),
                         check_scales(inventory), check_shared_scales(inventory), check_coverage(inventory),
-                        check_integrity(checkpoint)]
+                        integrity.finding(checkpoint)]
     if source is None:
         report.findings.append(Finding("numerics", "skip", "pass --against SRC to compare with the source"))
     elif report.ok:

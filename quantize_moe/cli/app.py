@@ -202,12 +202,14 @@ def verify(
 
     Structure, metadata, scales, shared gate/up scales, coverage, integrity and, with --against,
     numerics."""
-    from quantize_moe.source.hub import open_source
-    from quantize_moe.check.verify import verify as verify_checkpoint
-    from quantize_moe.cli.report import verify_table
+    from quantize_moe.check.integrity import IntegrityCheck
 
-    source = open_source(against) if against else None
-    report = verify_checkpoint(dst, source, adapter)
+    with IntegrityCheck(dst) as integrity:  # first: DST hashes on every core while torch is imported
+        from quantize_moe.source.hub import open_source
+        from quantize_moe.check.verify import verify as verify_checkpoint
+        from quantize_moe.cli.report import verify_table
+
+        report = verify_checkpoint(dst, open_source(against) if against else None, adapter, integrity)
     _emit(report.to_json(), json_output, json_out, lambda: verify_table(report))
     if not json_output:
         stdout.print("[green]all checks passed[/]" if report.ok else "[red]verification failed[/]")

@@ -16,7 +16,8 @@ from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, MoELayerInfo, PerExpertFamily, TensorRole
 from quantize_moe.adapters.fused import FusedLayout, scale_name
-from quantize_moe.source.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from quantize_moe.source.checkpoint import Checkpoint, TensorInfo
+from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.plan.compatibility import resolve_options
 from quantize_moe.plan.options import Options

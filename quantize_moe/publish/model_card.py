@@ -19,7 +19,8 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from quantize_moe import __version__
 from quantize_moe.console import console, human_bytes
-from quantize_moe.source.checkpoint import Checkpoint, inside
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import inside
 from quantize_moe.plan.compatibility import LOADS, loading_engines
 from quantize_moe.errors import UserError
 from quantize_moe.source.hub import HubSource

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -24,14 +23,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from quantize_moe.errors import UserError
-from quantize_moe.source.tensor_bytes import HEADER_FRAMEWORK, SAFETENSORS_DTYPES, data_offsets, read_into
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
-PICKLE_SINGLE_NAME = "pytorch_model.bin"
-CONFIG_NAME = "config.json"
-SHARD_NAME = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")  # save_pretrained's shards
+from quantize_moe.source.locations import (CONFIG_NAME, HEADER_FRAMEWORK, INDEX_NAME, PICKLE_INDEX_NAME,
+                                           PICKLE_SINGLE_NAME, SHARD_NAME, SINGLE_NAME, data_offsets, inside)
+from quantize_moe.source.tensor_bytes import SAFETENSORS_DTYPES, read_into
 
 # Threads reading one stage's tensors at once: `read_into` is pread, which releases the GIL, so the disk
 # (or the page cache) sees many reads in flight.
@@ -50,36 +44,6 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
-
-
-def allowed_roots(folder: Path) -> list[Path]:
-    """Where files of a checkpoint may really live: the folder itself and, for a snapshot in
-    huggingface_hub's cache (whose files are links into the repo's `blobs`), that blobs folder."""
-    folder = folder.resolve()
-    roots = [folder]
-    if folder.parent.name == "snapshots":
-        roots.append(folder.parent.parent / "blobs")
-    return roots
-
-
-def inside(folder: Path, relative: str, what: str) -> Path:
-    """Resolve a file named by checkpoint metadata, refusing any path that leaves the folder."""
-    if "\0" in relative:
-        raise UserError(f"{what} names the file {relative!r}, which contains a NUL character; "
-                        "fix it so it names files inside the folder.")
-    if os.path.isabs(relative) or ".." in Path(relative).parts:
-        raise UserError(f"{what} names the file '{relative}', which is outside the checkpoint folder; "
-                        "fix it so it names files inside the folder.")
-    path = folder / relative
-    try:
-        real = path.resolve(strict=path.is_symlink())
-    except (OSError, RuntimeError):  # a dangling link, or a loop (RuntimeError before Python 3.13)
-        raise UserError(f"'{path}' is a symbolic link that loops or leads nowhere; replace it with the "
-                        "real file.") from None
-    if not any(real.is_relative_to(root) for root in allowed_roots(folder)):
-        raise UserError(f"'{path}' links outside the checkpoint folder '{folder}'; "
-                        "copy the real file into the folder.")
-    return path
 
 
 class Checkpoint:

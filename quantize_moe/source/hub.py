@@ -19,7 +19,8 @@ from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, NotASafetensorsRepoError,
                                     OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
-from quantize_moe.source.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, Checkpoint, TensorInfo
+from quantize_moe.source.checkpoint import SAFETENSORS_DTYPES, Checkpoint, TensorInfo
+from quantize_moe.source.locations import INDEX_NAME
 from quantize_moe.errors import UserError
 
 SMALL_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.md", "LICENSE*", "*.py"]

@@ -1,27 +1,14 @@
-"""Tensor bytes read by range from safetensors files: where each tensor lies, and `pread` into a
-buffer the caller owns (every tensor `Checkpoint.get` returns, the engine's raw reads and the digests
-of written shards). Nothing maps a whole shard: safetensors' torch `safe_open` maps the file
-copy-on-write, which the kernel refuses for a shard larger than the machine's memory ("unable to
-mmap", a 40 GB shard on a 24 GB machine), so headers are read through its numpy `safe_open`, which
-maps read-only and touches only the header.
-
-Where a tensor lies comes from `safe_open(...).offset_keys()` (tensors in data
-order) and the format's rule that the data region holds them back to back with
-no gaps and ends the file.
-"""
+"""Tensor bytes read by range from safetensors files: `pread` into a buffer the caller owns (every
+tensor `Checkpoint.get` returns and the engine's raw reads), at the offsets `locations` finds in the
+header. Nothing maps a whole shard ("unable to mmap": a 40 GB shard on a 24 GB machine)."""
 
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import threading
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-
-HEADER_FRAMEWORK = "numpy"  # safe_open's read-only mapping: metadata of a shard of any size
 
 # safetensors dtype strings as reported by get_slice().get_dtype()
 SAFETENSORS_DTYPES = {
@@ -30,37 +17,6 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
-
-
-def data_offsets(path: Path, sizes: dict[str, int]) -> dict[str, int]:
-    """File offset of each tensor's first byte, in file order; `sizes` are the byte sizes of all
-    tensors in the file."""
-    with safe_open(path, framework=HEADER_FRAMEWORK) as f:
-        return _offsets(path, f.offset_keys(), sizes)
-
-
-def _offsets(path: Path, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
-    """The data region holds the tensors back to back and ends the file."""
-    offset = os.path.getsize(path) - sum(sizes[name] for name in order)
-    offsets = {}
-    for name in order:
-        offsets[name] = offset
-        offset += sizes[name]
-    return offsets
-
-
-def tensor_regions(path: Path) -> dict[str, tuple[int, int]] | None:
-    """(offset, byte size) of every tensor of a safetensors file in file order, or None when safetensors
-    cannot read the file or it holds a dtype torch lacks."""
-    try:
-        with safe_open(path, framework=HEADER_FRAMEWORK) as f:
-            order = f.offset_keys()
-            slices = {name: f.get_slice(name) for name in order}
-            sizes = {name: SAFETENSORS_DTYPES[s.get_dtype()].itemsize * math.prod(s.get_shape())
-                     for name, s in slices.items()}
-    except (SafetensorError, KeyError):
-        return None
-    return {name: (offset, sizes[name]) for name, offset in _offsets(path, order, sizes).items()}
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:

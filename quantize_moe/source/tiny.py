@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from quantize_moe.quantization.spec import MoEQuantSpec
 from quantize_moe.moe.reference import quantize_weight
 

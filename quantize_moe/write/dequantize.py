@@ -12,7 +12,8 @@ from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.plan.plan import OutputTensor
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.errors import UserError
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from quantize_moe.write.destination import (check_destination, copy_extra_files, extra_files, prepare_destination,
                                             write_json)
 from quantize_moe.write.shard_file import ShardFile

@@ -12,12 +12,16 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, inside
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME, inside
 from quantize_moe.console import human_bytes
 from quantize_moe.errors import UsageError, UserError
+
+if TYPE_CHECKING:  # torch-free at import, for the manifest and verify's integrity check (started before torch)
+    from quantize_moe.source.checkpoint import Checkpoint
 
 # Files that are weights in some format: never copied into the output.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")

@@ -17,7 +17,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from quantize_moe.source.tensor_bytes import tensor_regions
+from quantize_moe.source.locations import tensor_regions
 
 READ_CHUNK_BYTES = 16 << 20
 
@@ -55,20 +55,36 @@ def _submit(pool: ThreadPoolExecutor, path: Path) -> tuple[bool, list[Future]]:
     return True, [pool.submit(_sha256_of_range, path, offset, nbytes) for offset, nbytes in ranges]
 
 
-def file_digests(paths: list[Path], workers: int | None = None) -> dict[Path, str]:
-    """The digests of `paths`, every header and tensor of every file hashed at once on a thread pool
-    (hashlib releases the GIL on large buffers, so one thread per core hashes at the disk's rate);
-    the digests are those of `file_digest`."""
-    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        queued = {path: _submit(pool, path) for path in paths}
-        digests = {}
-        for path, (is_shard, parts) in queued.items():
-            hashes = [part.result() for part in parts]
-            digests[path] = shard_digest(hashes[0], hashes[1:]) if is_shard else hashes[0].hex()
-    return digests
+class FileDigests:
+    """The digests of `paths`, every header and tensor of every file hashed at once on a thread pool from
+    construction on (hashlib releases the GIL on large buffers, so one thread per core hashes at the
+    disk's rate), so the caller can do other work meanwhile; the digests are those of `file_digest`."""
+
+    def __init__(self, paths: list[Path], workers: int | None = None):
+        self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 1)
+        try:
+            self._queued = {path: _submit(self._pool, path) for path in paths}
+        except BaseException:
+            self.cancel()
+            raise
+
+    def result(self) -> dict[Path, str]:
+        """Wait for every digest."""
+        try:
+            digests = {}
+            for path, (is_shard, parts) in self._queued.items():
+                hashes = [part.result() for part in parts]
+                digests[path] = shard_digest(hashes[0], hashes[1:]) if is_shard else hashes[0].hex()
+            return digests
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Drop the hashes not started (those running finish in the background)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def file_digest(path: Path) -> str:
     """The digest of a file on disk (see the module docstring). A shard that safetensors cannot read
     gets the plain sha256 of its bytes, which matches no digest the engine records."""
-    return file_digests([path])[path]
+    return FileDigests([path]).result()[path]

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from quantize_moe.write import pipeline
-from quantize_moe.source.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.locations import CONFIG_NAME, INDEX_NAME
 from quantize_moe.console import byte_progress, console
 from quantize_moe.write.manifest import Manifest, run_fingerprint, source_records
 from quantize_moe.write.destination import (check_destination, check_free_space, copy_extra_files, extra_files,

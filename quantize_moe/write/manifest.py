@@ -23,13 +23,16 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantize_moe import __version__
-from quantize_moe.write.digests import file_digest, file_digests
+from quantize_moe.write.digests import FileDigests, file_digest
 from quantize_moe.errors import UserError
 from quantize_moe.write.destination import MANIFEST_NAME, write_json
-from quantize_moe.plan.plan import Plan
-from quantize_moe.source.checkpoint import Checkpoint
+
+if TYPE_CHECKING:  # torch-free at import, so verify's integrity check starts hashing before torch is imported
+    from quantize_moe.plan.plan import Plan
+    from quantize_moe.source.checkpoint import Checkpoint
 
 SAMPLES_PER_SHARD, SAMPLE_BYTES = 16, 64 << 10  # 1 MiB read per source shard, spread over its data
 
@@ -141,10 +144,13 @@ class Manifest:
         """Those of `names` that are listed and still have their recorded size and digest in DST (a
         finished shard when resuming, an intact file when checking a finished checkpoint), hashed all
         at once across files and cores."""
-        sized = [name for name in names if (record := self.files.get(name)) is not None
-                 and (self.dst / name).is_file() and (self.dst / name).stat().st_size == record.size]
-        digests = file_digests([self.dst / name for name in sized])
-        return {name for name in sized if digests[self.dst / name] == self.files[name].digest}
+        return self.start_matching(names).result()
+
+    def start_matching(self, names) -> Matching:
+        """`matching`, started: the files hash in the background until its `result` is asked for."""
+        sized = {name: record for name in names if (record := self.files.get(name)) is not None
+                 and (self.dst / name).is_file() and (self.dst / name).stat().st_size == record.size}
+        return Matching(self.dst, sized, FileDigests([self.dst / name for name in sized]))
 
     @property
     def finished_bytes(self) -> int:
@@ -171,3 +177,20 @@ class Manifest:
         files = {name: asdict(self.files[name]) for name in sorted(self.files)}
         write_json(self.path, {"quantize_moe": __version__, "run": self.run, "complete": self.complete,
                                "source": self.source, "files": files})
+
+
+@dataclass(frozen=True)
+class Matching:
+    """`Manifest.matching` under way: the files of `records` (those on disk with their recorded size)
+    are hashing in the background."""
+    dst: Path
+    records: dict[str, FileRecord]
+    digests: FileDigests
+
+    def result(self) -> set[str]:
+        """The names whose digest is the recorded one (waits for the hashes)."""
+        digests = self.digests.result()
+        return {name for name, record in self.records.items() if digests[self.dst / name] == record.digest}
+
+    def cancel(self) -> None:
+        self.digests.cancel()

@@ -49,7 +49,8 @@ from quantize_moe.errors import UsageError, UserError
 from quantize_moe.plan.options import GPU_WORKERS_PER_DEVICE
 from quantize_moe.adapters.fused import FusedLayout
 from quantize_moe.plan.plan import OutputTensor, Plan, WorkItem
-from quantize_moe.source.tensor_bytes import data_offsets, read_into
+from quantize_moe.source.tensor_bytes import read_into
+from quantize_moe.source.locations import data_offsets
 from quantize_moe.write.shard_file import DIRECT_ALIGNMENT, ShardFile, copy_scratch_bytes, placed
 
 

@@ -38,7 +38,8 @@ from typing import Callable
 import torch
 from safetensors.torch import save
 
-from quantize_moe.source.tensor_bytes import as_bytes, data_offsets, read_into
+from quantize_moe.source.tensor_bytes import as_bytes, read_into
+from quantize_moe.source.locations import data_offsets
 from quantize_moe.write.destination import PARTIAL_SUFFIX
 from quantize_moe.plan.plan import OutputTensor
 
