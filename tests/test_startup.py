@@ -26,3 +26,8 @@ def test_help_and_usage_errors_import_nothing_heavy(argv):
     code = ("import sys\nfrom quantize_moe.cli.app import app\n"
             f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass")
     assert not set(HEAVY) & _imported_after(code)
+
+
+def test_verify_starts_hashing_before_importing_anything_heavy():
+    """verify's integrity check is started first, so DST hashes while torch is imported."""
+    assert not set(HEAVY) & _imported_after("import quantize_moe.check.integrity")
