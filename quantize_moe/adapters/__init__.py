@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from quantize_moe.adapters.base import (ConfigFieldError, Kind, MoELayerInfo, PerExpertFamily, TensorRole, config_int,
                                         text_config)
 from quantize_moe.adapters.families import FAMILIES
+from quantize_moe.adapters.file_config import FileConfig, parse_file_config, parse_with
 from quantize_moe.adapters.generic import GENERIC, GenericFamily, NoExpertPattern, detect
 from quantize_moe.errors import UsageError, UserError
 from quantize_moe.quantization.formats import read_quantization
@@ -60,25 +60,23 @@ def adapter_for(raw_config: dict, where: str = "config.json", tensors: dict | No
 
 
 def parse_config(raw_config: dict, family: PerExpertFamily, where: str, tensor_names: Iterable[str]) -> PretrainedConfig:
-    """Parse config.json with transformers' own config class for the family (no remote code), and check
-    that its decoder layers are in the checkpoint (`tensor_names`)."""
-    if isinstance(family, GenericFamily):  # no config class knows the keys: keep them all as attributes
-        config_class = PretrainedConfig
-    else:
-        model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
-        config_class = CONFIG_MAPPING[model_type or raw_config["model_type"]]
+    """Parse config.json as its family's config (no remote code; `file_config`: the family's transformers
+    config class only for what the file does not hold), and check that its decoder layers are in the
+    checkpoint (`tensor_names`)."""
     read_quantization(raw_config, where)  # first: transformers' config classes crash on a damaged one
     # transformers writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit)
-    fields = config_class._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
-    try:
-        config = config_class.from_dict(fields)
-    except (TypeError, ValueError, StrictDataclassError) as e:  # transformers 5 validates fields strictly
-        raise UserError(f"{where} could not be parsed as a {family.name} config ({e}); "
-                        "restore the original config.json.") from None
+    fields = PretrainedConfig._decode_special_floats({k: v for k, v in raw_config.items() if k != "auto_map"})
+    if isinstance(family, GenericFamily):  # no config class knows the keys: keep them all as attributes
+        config = parse_with(PretrainedConfig, fields, family.name, where)
+    else:
+        model_type = family.config_model_type if raw_config["model_type"] not in CONFIG_MAPPING else None
+        config = parse_file_config(fields, model_type or raw_config["model_type"], family.name, where)
     try:
         _check_layer_count(config, family, where, tensor_names)
         layers, _ = family.moe_layers(config), family.mtp_layers(config)
     except ConfigFieldError as e:
+        if isinstance(config, FileConfig):  # the family's class refuses a bad field first, as it did before
+            config.parsed_by_family()
         raise UserError(f"{where} {e}; restore the original config.json.") from None
     _check_top_k(layers, family, where)
     return config
