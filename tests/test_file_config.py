@@ -89,3 +89,10 @@ def test_the_plan_of_a_complete_config_imports_no_family_configuration_module(ti
     imported = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "transformers.models.mixtral.configuration_mixtral" not in imported
     assert "transformers.models.auto.modeling_auto" not in imported
+
+
+def test_a_nested_object_the_class_does_not_declare_reads_as_the_class_keeps_it():
+    raw = {**_saved_config("mixtral"), "extra_settings": {"a": 1}}
+    config = parse_config(raw, adapter_for(raw), "config.json", LAYER_NAMES)
+    assert config.extra_settings == _class_config(raw).extra_settings == {"a": 1}
+    assert not hasattr(config, "moe_intermediate_size")  # neither the file nor MixtralConfig has it

@@ -56,11 +56,13 @@ class FileConfig(PretrainedConfig):
 
     def __getattr__(self, name: str):  # only reached for names the file's fields do not hold
         # Private names (copy, pickle, transformers' probes), transformers' own parse of the fields (before
-        # STATE is set) and names the family's class does not define (`class_names`) need no family parse.
+        # STATE is set) and names neither the file (its nested objects) nor the family's class (`class_names`)
+        # has need no family parse.
         if name.startswith("_") or STATE not in self.__dict__:
             raise AttributeError(name)
-        known = class_names(self.__dict__[STATE]["arguments"][1])
-        if known is not None and name not in known:
+        fields, model_type = self.__dict__[STATE]["arguments"][:2]
+        known = class_names(model_type)
+        if known is not None and name not in known and name not in fields:
             raise AttributeError(name)
         return getattr(self.parsed_by_family(), name)
 
