@@ -60,8 +60,8 @@ class FileDigests:
     construction on (hashlib releases the GIL on large buffers, so one thread per core hashes at the
     disk's rate), so the caller can do other work meanwhile; the digests are those of `file_digest`."""
 
-    def __init__(self, paths: list[Path], workers: int | None = None):
-        self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 1)
+    def __init__(self, paths: list[Path]):
+        self._pool = ThreadPoolExecutor(os.cpu_count() or 1)
         try:
             self._queued = {path: _submit(self._pool, path) for path in paths}
         except BaseException:
