@@ -162,6 +162,30 @@ def test_an_unfinished_run_fails_integrity(damaged):
     assert "did not finish" in failed(verify(damaged))["integrity"]
 
 
+def test_the_cli_reports_the_integrity_check_it_started_first_in_its_place(damaged):
+    """`verify` hashes DST before importing the other checks; the finding stays where it was."""
+    shard = damaged / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = CliRunner().invoke(app, ["verify", str(damaged), "--json"])
+    findings = json.loads(result.stdout)["findings"]
+    assert [f["check"] for f in findings] == ["structure", "metadata", "scales", "shared scales", "coverage",
+                                              "integrity", "numerics"]
+    assert findings[5]["status"] == "fail" and shard.name in " ".join(findings[5]["examples"])
+
+
+def test_a_damaged_manifest_is_a_finding_and_one_naming_a_file_outside_dst_an_error(damaged):
+    (damaged / MANIFEST_NAME).write_text("{")
+    result = CliRunner().invoke(app, ["verify", str(damaged), "--json"])
+    integrity = next(f for f in json.loads(result.stdout)["findings"] if f["check"] == "integrity")
+    assert result.exit_code == EXIT_FAILED and "is damaged" in integrity["message"]
+    (damaged / MANIFEST_NAME).write_text(json.dumps({"run": "x", "complete": True, "files": {
+        "../outside.json": {"size": 2, "digest": "x"}}}))
+    result = CliRunner().invoke(app, ["verify", str(damaged)])
+    assert result.exit_code == EXIT_UNREADABLE and "outside the checkpoint folder" in " ".join(result.output.split())
+
+
 def test_numerics_against_the_source_catch_a_wrong_weight(pair, damaged):
     edit_tensors(damaged, lambda t: t.__setitem__(f"{EXPERT}.w1.weight",
                                                   (t[f"{EXPERT}.w1.weight"].float() * 1.5).to(torch.float8_e4m3fn)))
