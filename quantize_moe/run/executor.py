@@ -23,15 +23,37 @@ from quantize_moe.run.activations import activations_as_declared
 
 
 _LIBC = ctypes.CDLL(None)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _map_large_tensors() -> None:
+    """Blocks of 1 MB and more straight from the system, returned to it when freed: glibc otherwise raises
+    its mmap threshold to the largest block freed (up to 32 MB), so the tensors of a layer's load (and the
+    float32 intermediates of dequantizing FP8) come from the heap, whose freed pages stay counted in the
+    process until trimmed (measured: 2.6 layers at the peak of loading an FP8 layer instead of 1.3;
+    scripts/bench_evaluate.py, docs/performance.md). Setting it fixes the threshold for the process."""
+    if hasattr(_LIBC, "mallopt"):  # glibc; other C libraries return large blocks themselves
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 
 
 def _return_freed_memory() -> None:
-    """Hand the heap pages of freed tensors (a layer's load, a layer) back to the system: glibc raises its
-    mmap threshold to the size of the largest block freed, so later tensors come from the heap, and freeing
-    them there leaves them counted in the process (measured: about one layer more per layer, and 1.5 layers
-    after each FP8 load; scripts/bench_evaluate.py, docs/performance.md)."""
-    if hasattr(_LIBC, "malloc_trim"):  # glibc; other C libraries return large blocks themselves
+    """Hand the heap pages of freed tensors below the mmap threshold (a layer's load, a layer) back to the
+    system (measured: about one layer more per layer without it; docs/performance.md)."""
+    if hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
+
+
+class _Handed:
+    """A tensor already read, handed over when transformers' loader materialises it (`tensor[...]`, as it
+    does a safetensors slice): from then on only the loader holds it, which frees each expert's sources as
+    it stacks them into the fused parameter."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], name: str):
+        self.tensors, self.name = tensors, name
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensors.pop(self.name)[index]
 
 
 class _Captured(Exception):
@@ -85,7 +107,8 @@ class LayerStreamedModel:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.utils import logging as transformers_logging
 
-        transformers_logging.disable_progress_bar()  # one "Loading weights" bar per layer otherwise
+        transformers_logging.disable_progress_bar()  # one "Loading weights" bar per call otherwise
+        _map_large_tensors()
 
         self.reader, self.device, self.dtype = reader, torch.device(device), dtype
         folder = reader.checkpoint.folder
@@ -98,6 +121,7 @@ class LayerStreamedModel:
                             "this family cannot be run layer by layer.") from None
         self.config = self.model.config
         self.conversions = get_model_conversion_mapping(self.model, None, None)
+        self.meta_state = self.model.state_dict()  # its parameters' and buffers' names (meta: no memory)
         self.names = {module: name for name, module in self.model.named_modules()}
         # The decoder layers are the first ModuleList (the embeddings come before them); their parent is
         # the base model (`model`, DBRX's `transformer`), whose other child with weights is the final norm.
@@ -112,26 +136,44 @@ class LayerStreamedModel:
                             "lm_head are not laid out as in a causal LM; it cannot be run layer by layer.")
         self.layers, self.norm = self.model.get_submodule(layers), norms[0]
 
-    def _read(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors under `prefix` in high precision, read (and dequantized) by several threads."""
-        names = [name for name in self.reader.names if name.startswith(prefix)]
+    def _names(self, prefix: str) -> list[str]:
+        """The checkpoint tensors under `prefix`."""
+        return [name for name in self.reader.names if name.startswith(prefix)]
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """These checkpoint tensors in high precision, read (and dequantized) by several threads."""
         with ThreadPoolExecutor(READ_THREADS) as pool:
             return dict(zip(names, pool.map(self.reader.get, names)))
 
+    def _groups(self, prefix: str) -> list[list[str]]:
+        """The tensors under `prefix` by the parameter transformers' renamings and conversions make of them
+        (every expert's gate and up: one `gate_up_proj`), the groups of most tensors first."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        renamings = [t for t in self.conversions if isinstance(t, WeightRenaming)]
+        converters = [t for t in self.conversions if isinstance(t, WeightConverter)]
+        groups: dict[str, list[str]] = {}
+        for name in self._names(prefix):
+            target, _ = rename_source_key(name, renamings, converters, self.model.base_model_prefix, self.meta_state)
+            groups.setdefault(target if target in self.meta_state else name, []).append(name)
+        return sorted(groups.values(), key=len, reverse=True)
+
     def _materialise(self, module: torch.nn.Module, what: str, prefix: str | None = None,
                      state: dict[str, torch.Tensor] | None = None) -> None:
-        """Load the checkpoint tensors under `module`'s name (or `prefix`; or `state`, already read) into
-        the meta model through transformers' own checkpoint-to-module conversions (fused experts,
-        renamings); every tensor of `module` must get one."""
+        """Load the checkpoint tensors under `module`'s name (or `prefix`; from `state` when already read)
+        into the meta model through transformers' own checkpoint-to-module conversions (fused experts,
+        renamings), one target parameter's tensors at a time (read in parallel): the loader then holds one
+        group's sources beside its fused copy, not the whole layer's (about 1.3 layers at the peak instead
+        of 2.3; from `state`, the layer's other tensors too). Every tensor of `module` must get one."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        state = self._read(prefix or self.names[module] + ".") if state is None else state
-        _return_freed_memory()  # the float32 intermediates of dequantizing FP8 tensors
-        convert_and_load_state_dict_in_model(self.model, state, LoadStateDictConfig(
-            dtype=self.dtype, weight_mapping=self.conversions))
-        state.clear()  # the per-expert tensors transformers fused into copies (the caller's dict too)
-        _return_freed_memory()
+        for group in self._groups(prefix or self.names[module] + "."):
+            tensors = {name: state.pop(name) for name in group} if state is not None else self._read(group)
+            convert_and_load_state_dict_in_model(self.model, {name: _Handed(tensors, name) for name in group},
+                                                 LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.conversions))
+            tensors.clear()  # any the loader did not take
+        _return_freed_memory()  # the per-expert tensors fused into copies, the float32 of dequantizing FP8
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
         if missing:
             raise UserError(f"The checkpoint '{self.reader.checkpoint.folder}' has no tensor for {what} "
@@ -175,8 +217,9 @@ class LayerStreamedModel:
     @torch.no_grad()
     def hidden_states(self, batches: list[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(layer index, output hidden states per batch) after each decoder layer, in order; only one
-        layer's weights are in memory at a time (on a GPU, plus the next one's being read on the host while
-        this one runs), and none of the current layer while the caller holds a yielded value."""
+        layer's weights are in memory at a time (on a GPU, plus the next one's read on the host while this
+        one runs, and held there while it is loaded), and none of the current layer while the caller holds
+        a yielded value."""
         self.check_tokens(batches)
         hidden, per_layer = self._layer_inputs(batches)
         prefixes = [self.names[layer] + "." for layer in self.layers]
@@ -185,11 +228,11 @@ class LayerStreamedModel:
         pending = None
         try:
             for index, layer in enumerate(self.layers):
-                state = pending.result() if pending is not None else self._read(prefixes[index])
+                state = pending.result() if pending is not None else None
                 pending = None
                 self._materialise(layer, f"layer {index}", state=state)
                 if ahead is not None and index + 1 < len(prefixes):
-                    pending = ahead.submit(self._read, prefixes[index + 1])
+                    pending = ahead.submit(self._read, self._names(prefixes[index + 1]))
                 with activations_as_declared(self.reader, layer, prefixes[index], index, self.config):
                     for b, calls in enumerate(per_layer):
                         args, kwargs = calls[index]
