@@ -8,8 +8,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from quantize_moe.check.streamed_eval import evaluate
 from quantize_moe.cli.app import app
+from quantize_moe.errors import UserError
 from quantize_moe.plan.options import Options
+from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.source.tiny import build_tiny_checkpoint
 from quantize_moe.write.job import quantize_checkpoint
 
@@ -70,6 +73,16 @@ def test_llama4_written_per_expert_is_refused_in_one_sentence(pair, tmp_path):
     result = runner.invoke(app, ["evaluate", str(tmp_path / "src"), str(tmp_path / "dst"), "--data",
                                  str(pair / "ids.safetensors")])
     assert result.exit_code == 1 and "cannot be run layer by layer" in " ".join(result.output.split())
+
+
+def test_a_refusal_closes_both_checkpoints(pair, tmp_path, monkeypatch):
+    """A DST of another layer count is refused after both are open: neither is left open."""
+    build_tiny_checkpoint("mixtral", tmp_path / "deeper", num_hidden_layers=3)
+    closed = []
+    monkeypatch.setattr(Checkpoint, "close", lambda self: closed.append(self.folder.name))
+    with pytest.raises(UserError, match="decoder layers"):
+        evaluate(pair / "src", tmp_path / "deeper", [torch.zeros(1, 4, dtype=torch.long)])
+    assert sorted(closed) == ["deeper", "src"]
 
 
 def test_hidden_state_error_per_layer_points_at_a_damaged_layer(pair, tmp_path):

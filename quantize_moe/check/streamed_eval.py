@@ -44,21 +44,18 @@ class EvalReport:
         return asdict(self)
 
 
-def _open(folder: Path, device: str) -> LayerStreamedModel:
-    return LayerStreamedModel(SourceReader(Checkpoint(folder)), device)
-
-
 def evaluate(src: Path, dst: Path, batches: list[torch.Tensor], device: str = "cpu",
              thresholds: EvalThresholds = EvalThresholds()) -> EvalReport:
     """Stream both models side by side, layer by layer and then batch by batch. Each model frees its layer
     before handing over its hidden states, so memory holds one layer at a time, both models' hidden
-    states, and one batch of logits of each, never N x T x V."""
-    original, quantized = _open(src, device), _open(dst, device)
-    if len(original.layers) != len(quantized.layers):
-        raise UserError(f"SRC '{src}' has {len(original.layers)} decoder layers and DST '{dst}' "
-                        f"{len(quantized.layers)}; is DST made from SRC?")
-    layers, ref_hidden, hidden = [], [], []
-    try:
+    states, and one batch of logits of each, never N x T x V. Both checkpoints are closed on every path."""
+    with Checkpoint(src) as src_checkpoint, Checkpoint(dst) as dst_checkpoint:
+        original = LayerStreamedModel(SourceReader(src_checkpoint), device)
+        quantized = LayerStreamedModel(SourceReader(dst_checkpoint), device)
+        if len(original.layers) != len(quantized.layers):
+            raise UserError(f"SRC '{src}' has {len(original.layers)} decoder layers and DST '{dst}' "
+                            f"{len(quantized.layers)}; is DST made from SRC?")
+        layers, ref_hidden, hidden = [], [], []
         for (index, ref_hidden), (_, hidden) in zip(original.hidden_states(batches), quantized.hidden_states(batches)):
             error = sum((h.float() - r.float()).square().sum() for h, r in zip(hidden, ref_hidden))
             norm = sum(r.float().square().sum() for r in ref_hidden)
@@ -74,9 +71,6 @@ def evaluate(src: Path, dst: Path, batches: list[torch.Tensor], device: str = "c
             kl += (p_log.exp() * (p_log - q_log)).sum().item()
             agree += (p_log.argmax(-1) == q_log.argmax(-1)).sum().item()
             count += target.numel()
-    finally:
-        original.reader.close()
-        quantized.reader.close()
     src_ppl, dst_ppl = math.exp(nll_src / count), math.exp(nll_dst / count)
     ratio, mean_kl, top1 = dst_ppl / src_ppl, kl / count, agree / count
     passed = (ratio <= thresholds.max_perplexity_ratio and mean_kl <= thresholds.max_kl
