@@ -17,7 +17,9 @@ from quantize_moe.adapters import Kind
 from quantize_moe.cli.app import app
 from quantize_moe.plan.options import Options
 from quantize_moe.plan.plan import make_plan
+from quantize_moe.quantization.static import KV_SCALES
 from quantize_moe.source.checkpoint import Checkpoint
+from quantize_moe.source.tiny import TINY_CONFIGS
 
 runner = CliRunner()
 IDS = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
@@ -300,6 +302,32 @@ def test_kv_cache_refuses_attention_vllm_does_not_scale(family, message, tiny_ch
                                  "--calibration", str(ids_file), "--calibration-length", str(IDS.shape[1])])
     assert result.exit_code == 1 and message in result.output, result.output
     assert not (tmp_path / "dst").exists()
+
+
+def _tiny_multimodal_llama4(folder: Path) -> Path:
+    """Llama-4 as Meta ships it: the decoder under `language_model.`, a vision tower beside it."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    torch.manual_seed(0)
+    config = Llama4Config(text_config=TINY_CONFIGS["llama4_text"], vision_config=vision)
+    Llama4ForConditionalGeneration(config).save_pretrained(folder)  # float32: its rotary buffer is complex
+    return folder
+
+
+def test_kv_cache_scales_sit_beside_the_attention_of_a_multimodal_wrapper(ids_file, tmp_path):
+    """The decoder's layers come from `text_config` and its attention's names from the checkpoint, where
+    vLLM reads them (`model.layers.{i}.self_attn` and the top-level layer count were wrong here); the
+    layer-streamed model cannot run the wrapper yet, which is one sentence and nothing written."""
+    src = _tiny_multimodal_llama4(tmp_path / "src")
+    plan = make_plan(Checkpoint(src), Options(kv_cache="fp8", calibration=str(ids_file)))
+    assert [o.name for item in plan.items if not item.sources for o in item.outputs] == [
+        f"language_model.model.layers.{layer}.self_attn.{kind}" for layer in (0, 1) for kind in KV_SCALES]
+    result = runner.invoke(app, ["quantize", str(src), str(tmp_path / "dst"), "--kv-cache", "fp8", "--calibration",
+                                 str(ids_file), "--calibration-length", str(IDS.shape[1])])
+    assert result.exit_code == 1 and "cannot be run layer by layer" in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "dst").exists()
 
 
 def test_sharded_static_output_indexes_every_calibrated_scale_and_verifies(tiny_checkpoint, ids_file, tmp_path):

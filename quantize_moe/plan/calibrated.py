@@ -7,6 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quantize_moe.adapters import Kind, PerExpertFamily, TensorRole
+from quantize_moe.adapters.base import text_config
 from quantize_moe.errors import UserError
 from quantize_moe.plan.options import Options
 from quantize_moe.quantization.formats import INPUT_SCALE
@@ -68,7 +69,21 @@ def check_calibrated_outputs(options: Options, family: PerExpertFamily, config: 
         _check_kv_cache(config, where)
 
 
+def kv_cache_modules(family: PerExpertFamily, config: PretrainedConfig, names, where: str) -> list[str]:
+    """The attention module of every decoder layer that has one, as the checkpoint names it (the module of
+    its k_proj, beside which vLLM reads `<module>.k_scale`: `language_model.model.layers.{i}.self_attn`
+    in a multimodal Llama-4), in layer order; multi-token-prediction layers are not run, so not scaled."""
+    skipped = set(family.mtp_layers(config))
+    layers = {name.removesuffix(".k_proj.weight"): family.layer_of(name) for name in names
+              if name.endswith(".k_proj.weight") and family.layer_of(name) not in (None, *skipped)}
+    if not layers:
+        raise UserError(f"{where}: no decoder layer of the checkpoint has an attention module with a k_proj "
+                        "(fused q/k/v projections), beside which vLLM reads k_scale / v_scale; leave out --kv-cache.")
+    return sorted(layers, key=lambda module: (layers[module], module))
+
+
 def _check_kv_cache(config: PretrainedConfig, where: str) -> None:
+    config = text_config(config)  # a multimodal wrapper describes its decoder there
     if getattr(config, "kv_lora_rank", None):
         raise UserError(f"{where} describes multi-head latent attention (kv_lora_rank), whose cache vLLM does not "
                         "scale per key and value; leave out --kv-cache.")

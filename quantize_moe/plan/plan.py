@@ -25,7 +25,7 @@ from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import FORMATS, INPUT_SCALE, read_quantization
 from quantize_moe.quantization.fp8 import FP8_DTYPE
 from quantize_moe.quantization.schemes import SCHEMES
-from quantize_moe.plan.calibrated import check_calibrated_outputs
+from quantize_moe.plan.calibrated import check_calibrated_outputs, kv_cache_modules
 from quantize_moe.quantization.static import KV_SCALES
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -182,10 +182,9 @@ class Plan:
 MTP_REASON = "multi-token-prediction layer: kept in high precision"
 
 
-def _kv_items(config: PretrainedConfig) -> list[WorkItem]:
-    """One item per decoder layer with its attention's k_scale and v_scale (float32 scalars, vLLM's names)."""
-    return [WorkItem((), False, tuple(OutputTensor(f"model.layers.{layer}.self_attn.{kind}", torch.float32, ())
-                                      for kind in KV_SCALES), 0) for layer in range(config.num_hidden_layers)]
+def _kv_items(modules: list[str]) -> list[WorkItem]:
+    """One item per attention module with its k_scale and v_scale (float32 scalars, vLLM's names)."""
+    return [WorkItem((), False, tuple(OutputTensor(f"{m}.{k}", torch.float32, ()) for k in KV_SCALES), 0) for m in modules]
 
 
 def _natural_key(name: str) -> list:
@@ -216,7 +215,8 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
             _decide(info, roles[name], options, shapes[name], in_mtp_layer=family.layer_of(name) in mtp)
     _keep_fused_siblings_together(decisions)
     _check_experts(family, moe_layers, decisions, where)
-    items = _work_items(decisions, options, num_experts) + (_kv_items(config) if options.kv_cache else [])
+    items = _work_items(decisions, options, num_experts) + (
+        _kv_items(kv_cache_modules(family, config, source.names, where)) if options.kv_cache else [])
     plan = Plan(source, family, config, options, moe_layers, decisions, items)
     _check_output_names(plan.items, checkpoint)
     plan.shards = _assign_shards(plan.items, options.max_shard_size)

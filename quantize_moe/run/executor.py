@@ -175,9 +175,9 @@ class LayerStreamedModel:
             tensors.clear()  # any the loader did not take
         _return_freed_memory()  # the per-expert tensors fused into copies, the float32 of dequantizing FP8
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
-        if missing:
+        if missing:  # named as transformers' model names it (a multimodal wrapper's decoder sits elsewhere)
             raise UserError(f"The checkpoint '{self.reader.checkpoint.folder}' has no tensor for {what} "
-                            f"('{missing[0]}'); it cannot be run layer by layer.")
+                            f"('{self.names[module]}.{missing[0]}'); it cannot be run layer by layer.")
         module.to(self.device)
 
     @torch.no_grad()
