@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.check.streamed_eval import evaluate
 from quantize_moe.cli.app import app
 from quantize_moe.errors import UserError
@@ -66,13 +67,24 @@ def test_bad_data_is_one_sentence(pair, tmp_path, content, message):
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
 
 
-def test_llama4_written_per_expert_is_refused_in_one_sentence(pair, tmp_path):
-    """transformers' Llama-4 modules hold fused experts; our Llama-4 output has one Linear per expert."""
-    build_tiny_checkpoint("llama4_text", tmp_path / "src")
-    quantize_checkpoint(tmp_path / "src", tmp_path / "dst", Options(), show_progress=False)
-    result = runner.invoke(app, ["evaluate", str(tmp_path / "src"), str(tmp_path / "dst"), "--data",
-                                 str(pair / "ids.safetensors")])
-    assert result.exit_code == 1 and "cannot be run layer by layer" in " ".join(result.output.split())
+def test_llama4_written_per_expert_runs_in_transformers_fused_modules(pair, tmp_path):
+    """Our Llama-4 output has one Linear per expert (what vLLM reads); transformers' Llama-4 holds fused
+    experts, which the reader joins back: each the source's within FP8 rounding, and evaluate runs it."""
+    src = build_tiny_checkpoint("llama4_text", tmp_path / "src")
+    quantize_checkpoint(src, tmp_path / "dst", Options(), show_progress=False)
+    original, produced = SourceReader(Checkpoint(src)), SourceReader(Checkpoint(tmp_path / "dst"))
+    fused = {name for name in produced.model_names if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert fused == {name for name in original.names if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert not any(".experts.0." in name for name in produced.model_names)
+    for name in fused:
+        want, got = original.get(name).float(), produced.get(name).float()
+        assert got.shape == want.shape and (got - want).norm() / want.norm() < 0.05, name
+    result = runner.invoke(app, ["evaluate", str(src), str(tmp_path / "dst"), "--data", str(pair / "ids.safetensors"),
+                                 "--json", "-", "--min-top1", "0.8"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert 0.98 < report["perplexity_ratio"] < 1.02 and report["perplexity_ratio"] != 1.0
+    assert 0 < report["mean_kl"] < 0.05 and len(report["layers"]) == 2
 
 
 def test_a_refusal_closes_both_checkpoints(pair, tmp_path, monkeypatch):

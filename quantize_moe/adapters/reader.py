@@ -59,8 +59,10 @@ class SourceReader:
         self.spec, self.scale_suffix = read_quantization(checkpoint.raw_config, where)
         self.family: PerExpertFamily = adapter_for(checkpoint.raw_config, where, checkpoint.tensors, adapter)
         self.config = parse_config(checkpoint.raw_config, self.family, where, checkpoint.tensors)
-        self._experts = {info.layer: info.num_experts for info in self.family.moe_layers(self.config)}
+        self._layers = {info.layer: info for info in self.family.moe_layers(self.config)}
+        self._experts = {layer: info.num_experts for layer, info in self._layers.items()}
         check_weights_match_config(checkpoint, self.quantized, where)
+        self._written_per_expert = self._fused_written_per_expert()
 
     @property
     def quantized(self) -> bool:
@@ -73,12 +75,54 @@ class SourceReader:
     def names(self) -> list[str]:
         return [name for name in self.checkpoint.tensors if not self.is_scale(name)]
 
+    @property
+    def model_names(self) -> list[str]:
+        """`names` as the family's model holds them: the per-expert tensors written from a fused layout
+        (Llama-4's FP8 output, `FusedLayout.unfused`) give way to the fused tensor they were written from,
+        which `get` joins back."""
+        per_expert = {name for names in self._written_per_expert.values() for name in names}
+        return [name for name in self.names if name not in per_expert] + list(self._written_per_expert)
+
+    def _fused_written_per_expert(self) -> dict[str, list[str]]:
+        """Fused tensor name -> the per-expert tensors (expert by expert, in shard order) it was written as,
+        for the fused layouts this checkpoint holds one Linear per expert and projection of."""
+        found = {}
+        for layout in (layout for layout in self.family.fused if layout.unfused):
+            last = layout.name.rpartition(r"\.")[2]  # the fused tensor's own name: `gate_up_proj`
+            for name, info in self.checkpoint.tensors.items():
+                role = self.family.role(name, len(info.shape))
+                experts = role.module.rpartition(".")[0].rpartition(".")[0]  # `...experts` of `...experts.{e}.proj`
+                fused = f"{experts}.{last}"
+                if (role.kind != Kind.ROUTED_EXPERT or role.expert != 0 or role.fused is not None
+                        or role.module.rpartition(".")[2] != layout.unfused[0]
+                        or self.family.role(fused, 3).fused != layout or role.layer not in self._layers):
+                    continue
+                wanted = [n for n, _ in layout.expert_weights(fused, self._experts[role.layer], self._disk_shape(
+                    layout, role.layer))]
+                if all(n in self.checkpoint.tensors for n in wanted):
+                    found[fused] = wanted
+        return found
+
+    def _disk_shape(self, layout: FusedLayout, layer: int) -> tuple[int, ...]:
+        info = self._layers[layer]
+        return layout.disk_shape(info.num_experts, info.hidden_size, info.expert_width)
+
+    def _joined(self, name: str) -> torch.Tensor:
+        """The fused tensor `name` from the per-expert tensors it was written as, each read as `get` reads."""
+        role = self.family.role(name, 3)
+        layout, per_expert = role.fused, self._written_per_expert[name]
+        shards = {shard: torch.stack([self.get(n) for n in per_expert[index::len(layout.shards)]])
+                  for index, shard in enumerate(layout.shards)}
+        return layout.join(shards, self._disk_shape(layout, role.layer))
+
     def output_dtype(self, name: str) -> torch.dtype:
         """FP8 weights that are not requantized are written in bf16."""
         dtype = self.checkpoint.tensors[name].dtype
         return torch.bfloat16 if dtype == FP8_DTYPE and self.quantized else dtype
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._written_per_expert:
+            return self._joined(name)
         tensor = self.checkpoint.get(name)
         if tensor.dtype != FP8_DTYPE or not self.quantized:
             return tensor

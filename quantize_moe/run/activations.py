@@ -13,6 +13,7 @@ through FP8 with its `k_scale` / `v_scale` (run/attention.py reaches them where 
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -55,16 +56,30 @@ def _linear_hook(reader: SourceReader, scale: torch.Tensor | None):
 
 def _experts_forward(module: torch.nn.Module, reader: SourceReader, a13: torch.Tensor | None,
                      a2: torch.Tensor | None):
-    """transformers' experts call `(hidden_states [T, H], top_k_index, top_k_weights)` computed by the
-    reference with FP8-rounded activations; weights are the dequantized ones already in the module."""
-    def forward(hidden_states, top_k_index, top_k_weights):
+    """transformers' experts call `(hidden_states [T, H], top_k_index, top_k_weights)`, or Llama-4's
+    `(hidden_states [E * T, H])` (every expert on its own block of rows, the router weight already in them),
+    computed by the reference with FP8-rounded activations; weights are the dequantized ones already in
+    the module. A Llama-4 expert's rows of tokens not routed to it are zero, so they change neither its
+    output nor a dynamic per-tensor scale."""
+    def forward(hidden_states, top_k_index=None, top_k_weights=None):
         w13, w2 = module.gate_up_proj, module.down_proj
-        if module.is_transposed:  # stored [E, H, 2I] / [E, I, H]
+        if getattr(module, "is_transposed", top_k_index is None):  # stored [E, H, 2I] / [E, I, H]; Llama-4's bmm
             w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        if top_k_index is None:
+            rows = hidden_states.shape[0] // w13.shape[0]
+            top_k_index = torch.arange(w13.shape[0], device=hidden_states.device).repeat_interleave(rows)[:, None]
+            top_k_weights = torch.ones(top_k_index.shape, dtype=hidden_states.dtype, device=hidden_states.device)
         return fused_experts_reference(hidden_states, w13, w2, top_k_weights, top_k_index, quant=reader.spec,
                                        a13_scale=a13, a2_scale=a2,
                                        weights_dequantized=True).to(hidden_states.dtype)
     return forward
+
+
+def _rows_per_expert(module: torch.nn.Module) -> bool:
+    """transformers' Llama-4 experts: `forward(hidden_states)` of every expert's block of rows, gate and up
+    concatenated in `gate_up_proj` [E, H, 2I] (bmm), no biases."""
+    return list(inspect.signature(module.forward).parameters) == ["hidden_states"] and not any(
+        "bias" in name for name, _ in module.named_parameters())
 
 
 def plain_gated_experts(module: torch.nn.Module) -> bool:
@@ -76,7 +91,7 @@ def plain_gated_experts(module: torch.nn.Module) -> bool:
 
 def _experts_module(layer: torch.nn.Module, where: str) -> torch.nn.Module:
     candidates = [m for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
-    if len(candidates) != 1 or not plain_gated_experts(candidates[0]):
+    if len(candidates) != 1 or not (plain_gated_experts(candidates[0]) or _rows_per_expert(candidates[0])):
         raise UserError(f"{where}: the FP8 experts are not in one gated, bias-free experts module of "
                         "transformers, so their activations cannot be quantized as an engine does; evaluate "
                         "cannot run this family's FP8 checkpoint.")

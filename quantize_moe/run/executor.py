@@ -137,8 +137,8 @@ class LayerStreamedModel:
         self.layers, self.norm = self.model.get_submodule(layers), norms[0]
 
     def _names(self, prefix: str) -> list[str]:
-        """The checkpoint tensors under `prefix`."""
-        return [name for name in self.reader.names if name.startswith(prefix)]
+        """The checkpoint tensors under `prefix`, as the family's model holds them (`SourceReader.model_names`)."""
+        return [name for name in self.reader.model_names if name.startswith(prefix)]
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """These checkpoint tensors in high precision, read (and dequantized) by several threads."""
