@@ -17,8 +17,8 @@ from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.source.locations import CONFIG_NAME
 from quantize_moe.errors import UserError
 from quantize_moe.quantization.formats import read_quantization
-from quantize_moe.quantization.fp8 import FP8_DTYPE
-from quantize_moe.quantization.spec import expand_weight_scale, scale_count
+from quantize_moe.quantization.fp8 import FP8_DTYPE, dequantize_grid, grid_shape
+from quantize_moe.quantization.spec import scale_count, weight_cell
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -124,19 +124,29 @@ class SourceReader:
         if name in self._written_per_expert:
             return self._joined(name)
         tensor = self.checkpoint.get(name)
+        if self.scaled_alone(name):
+            scale, cell = self.scale_grid(name)
+            return dequantize_grid(tensor, scale, cell, torch.empty(tensor.shape, dtype=self.dtype))
         if tensor.dtype != FP8_DTYPE or not self.quantized:
             return tensor
-        role = self.family.role(name, tensor.dim())
-        if role.kind == Kind.ROUTED_EXPERT and role.fused is not None:
-            return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
-        return tensor.float().mul_(self.weight_scale(name)).to(self.dtype)  # in place: one float32 copy, not two
+        role = self.family.role(name, tensor.dim())  # a tensor of fused experts, a scale per expert
+        return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
 
-    def weight_scale(self, name: str) -> torch.Tensor:
-        """The float32 scale of the (unfused) FP8 weight `name`, broadcastable to it whatever the scheme."""
+    def scaled_alone(self, name: str) -> bool:
+        """Whether `name` is an FP8 weight with a scale of its own (no tensor of fused experts): what
+        `scale_grid` describes."""
+        info = self.checkpoint.tensors[name]
+        if info.dtype != FP8_DTYPE or not self.quantized:
+            return False
+        role = self.family.role(name, len(info.shape))
+        return role.kind != Kind.ROUTED_EXPERT or role.fused is None
+
+    def scale_grid(self, name: str) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The float32 scales of the FP8 weight `name` (`scaled_alone`) laid out as `fp8.grid_shape`
+        says, and the cell of the weight each covers."""
         shape = self.checkpoint.tensors[name].shape
-        scale = self.stored_scale(name)
-        return expand_weight_scale(scale.reshape(1, *scale.shape) if scale.dim() else scale.reshape(1),
-                                   self.spec, (1, *shape))[0]
+        cell = weight_cell(self.spec, shape)
+        return self.stored_scale(name).reshape(grid_shape(shape, cell)), cell
 
     def stored_scale(self, name: str) -> torch.Tensor:
         """The float32 scale of the (unfused) FP8 weight `name` as stored: scalar, per row or block grid."""

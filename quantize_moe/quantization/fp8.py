@@ -146,6 +146,42 @@ def quantize_cells(weight: torch.Tensor, cell: tuple[int, int], out: torch.Tenso
     return scale
 
 
+# Every FP8 byte as float32, exactly as torch's cast gives it (NaN included): a gather from these 256
+# values is 3-8x faster than that cast on the CPU (one element at a time there).
+FLOAT_OF_BYTE = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def dequantize_grid(q: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int], out: torch.Tensor,
+                    chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """`(q.float() * scale).to(out.dtype)` into `out` with one float32 scale per `cell` (`scale` has
+    `grid_shape`, on q's device): the same bytes, `chunk_elements` at a time through one float32
+    buffer, with the scale broadcast over each cell instead of repeated over every element."""
+    rows, cols = q.shape
+    if q.numel() == 0:
+        return out
+    cell_rows, cell_cols = min(cell[0], rows), min(cell[1], cols)
+    full = cols // cell_cols
+    step = max(1, chunk_elements // cols)
+    if cell_rows <= step:
+        step -= step % cell_rows
+    table = FLOAT_OF_BYTE.to(q.device)
+    index = torch.empty(min(rows, step) * cols, dtype=torch.int32, device=q.device)
+    buffer = None if out.dtype == torch.float32 else torch.empty_like(index, dtype=torch.float32)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        count = (end - start) * cols
+        index[:count].copy_(q[start:end].reshape(-1).view(torch.uint8))
+        chunk = out[start:end] if buffer is None else buffer[:count].view(end - start, cols)
+        torch.index_select(table, 0, index[:count], out=chunk.view(-1))
+        row_scales = scale[torch.arange(start, end, device=q.device) // cell_rows]  # [chunk rows, cells per row]
+        chunk[:, :full * cell_cols].unflatten(1, (full, cell_cols)).mul_(row_scales[:, :full, None])
+        if cols % cell_cols:
+            chunk[:, full * cell_cols:].mul_(row_scales[:, full:])
+        if buffer is not None:
+            out[start:end].copy_(chunk)
+    return out
+
+
 def dequantize(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize` (up to FP8 rounding)."""
     scale = row_scale[:, None] if row_scale.dim() > 0 else row_scale

@@ -67,6 +67,15 @@ def scale_count(spec: MoEQuantSpec, shape: tuple[int, ...]) -> int:
     return -(-rows // block_n) * -(-cols // block_k)
 
 
+def weight_cell(spec: MoEQuantSpec, shape: tuple[int, int]) -> tuple[int, int]:
+    """The part of one [N, K] weight that one scale covers under `spec`: all of it, a row, or a block."""
+    if spec.weight == "tensor":
+        return tuple(shape)
+    if spec.weight == "channel":
+        return 1, shape[1]
+    return spec.block_shape
+
+
 def expand_weight_scale(scale: torch.Tensor, spec: MoEQuantSpec, shape: torch.Size) -> torch.Tensor:
     """A weight scale of any scheme, shaped to broadcast against stacked weights [E, N, K]:
     per-tensor [E] -> [E, 1, 1]; per-channel [E, N] (or [E, N, 1]) -> [E, N, 1]; block scales are
