@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-checks-out"))
-    parser.add_argument("--device", default="cpu", help="quantize and validate here (cpu or cuda)")
+    parser.add_argument("--device", default="cpu", help="quantize, validate and dequantize here (cpu or cuda)")
     parser.add_argument("--tokens", type=int, default=64, help="validate's hidden states per layer")
     parser.add_argument("--skip", default="", help="comma-separated steps to leave out, e.g. validate")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -79,7 +79,7 @@ def main() -> None:
         ("verify --against", CLI + ["verify", str(dst), "--against", str(src)], (0,)),
         ("validate", CLI + ["validate", str(src), str(dst), "--no-progress", "--tokens", str(args.tokens),
                             "--device", validate_device], (0,)),
-        ("dequantize", CLI + ["dequantize", str(dst), str(back), "--overwrite"], (0,)),
+        ("dequantize", CLI + ["dequantize", str(dst), str(back), "--overwrite", "--device", args.device], (0,)),
     ]
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)

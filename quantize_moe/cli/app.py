@@ -258,13 +258,15 @@ def dequantize(
     src: Annotated[Path, typer.Argument(help="FP8 checkpoint folder (ours, AutoFP8, llm-compressor, block FP8).")],
     dst: Annotated[Path, typer.Argument(help="Output folder for the bf16 checkpoint.")],
     overwrite: Overwrite = False,
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE",
+                                        help="auto (a GPU when torch sees one), cuda, cuda:N or cpu.")] = "auto",
 ) -> None:
     """Write a bf16 copy of an FP8 checkpoint.
 
     Weights times their scales, without scale tensors or quantization_config."""
     from quantize_moe.write.dequantize import dequantize_checkpoint
 
-    tensors, size, shards = dequantize_checkpoint(src, dst, overwrite=overwrite)
+    tensors, size, shards = dequantize_checkpoint(src, dst, overwrite=overwrite, device=device)
     stdout.print(f"[green]wrote[/] {tensors} tensors in bf16 ({human_bytes(size)}, {shards} shard(s)) to {dst}",
                  highlight=False)
 

@@ -182,6 +182,15 @@ def dequantize_grid(q: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int],
     return out
 
 
+def row_parts(rows: int, cell_rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges splitting `rows` into at most `parts`, on cell boundaries (any row does when
+    one cell spans every row), so each range is a weight of its own for `dequantize_grid`."""
+    step = -(-rows // max(parts, 1))
+    if cell_rows < rows:
+        step = -(-step // cell_rows) * cell_rows
+    return [(start, min(rows, start + step)) for start in range(0, rows, max(step, 1))]
+
+
 def dequantize(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize` (up to FP8 rounding)."""
     scale = row_scale[:, None] if row_scale.dim() > 0 else row_scale

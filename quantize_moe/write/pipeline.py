@@ -78,6 +78,17 @@ def parse_devices(spec: str) -> list[torch.device]:
     return devices
 
 
+def pick_device(spec: str) -> torch.device:
+    """The one device of a command's `--device`: `auto` is the GPU when torch sees one, else the CPU;
+    anything else as `parse_devices` reads it."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    devices = parse_devices(spec)
+    if len(devices) > 1:
+        raise UsageError(f"--device '{spec}' names several devices; this command runs on one.")
+    return devices[0]
+
+
 def start_devices(devices: list[torch.device]) -> Future:
     """Create the CUDA contexts of `devices` in a thread, so that this overlaps with making the plan;
     the future's result re-raises a failure. (Only contexts: importing in two threads at once could

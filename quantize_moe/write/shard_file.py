@@ -146,10 +146,11 @@ def _open_direct(path: Path) -> int | None:
 class ShardFile:
     """One output shard under its temporary name: laid out at creation, filled tensor by tensor,
     renamed to its final name by `finish` once every tensor is written. It keeps the sha256 of its
-    header and of every tensor written, for the shard's digest (`quantize_moe.write.digests`)."""
+    header and, unless `digests` is off (no manifest will list the shard), of every tensor written,
+    for the shard's digest (`quantize_moe.write.digests`)."""
 
-    def __init__(self, path: Path, tensors: list[OutputTensor]):
-        self.path = path
+    def __init__(self, path: Path, tensors: list[OutputTensor], digests: bool = True):
+        self.path, self.digests = path, digests
         self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
         header = safetensors_header(tensors, {"format": "pt"})
         self.header_sha256 = hashlib.sha256(header).digest()
@@ -168,7 +169,8 @@ class ShardFile:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         with self._writing(self.offsets[name], tensor.view(-1).view(torch.uint8)):
-            self.tensor_sha256[name] = hashlib.sha256(as_bytes(tensor)).digest()
+            if self.digests:
+                self.tensor_sha256[name] = hashlib.sha256(as_bytes(tensor)).digest()
 
     def copy_from(self, name: str, src_fd: int, src_offset: int, count: int, scratch: torch.Tensor,
                   check: Callable[[torch.Tensor], None] | None = None) -> None:
