@@ -57,7 +57,7 @@ def test_stacked_view_matches_transformers_moe_block(model_type, tiny_checkpoint
     for layer in ours.layers:
         args, theirs = expert_call(model, layer, torch.randn(1, TOKENS, ours.layers[layer].hidden_size))
         moe = ours.load_layer(layer, params_dtype=torch.float32)
-        w13, w2 = moe.dequantized_weights()
+        w13, w2 = moe.w13_weight.data, moe.w2_weight.data  # float32 parameters of bf16 experts
         x = args[0].reshape(-1, w2.shape[1])
         if len(args) == 1:  # Llama-4: router weights already applied to the input, one expert per row block
             ids = torch.arange(ours.layers[layer].num_experts).repeat_interleave(TOKENS)[:, None]

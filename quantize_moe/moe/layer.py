@@ -73,9 +73,6 @@ class FusedMoE(nn.Module):
         self.check_loaded()
         self.quant_method.process_weights_after_loading(self)
 
-    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.quant_method.dequantized_weights(self)
-
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 use_kernels: bool | None = None) -> torch.Tensor:
         if use_kernels is None:

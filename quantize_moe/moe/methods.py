@@ -15,7 +15,7 @@ from torch import nn
 
 from quantize_moe.errors import UserError
 from quantize_moe.quantization import fp8
-from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec, expand_weight_scale
+from quantize_moe.quantization.spec import UNQUANTIZED, MoEQuantSpec
 
 # shard_kind values
 WEIGHT = "weight"  # [E, rows, cols]: w1 fills the first half of w13's rows, w3 the second
@@ -52,10 +52,6 @@ class FusedMoEMethodBase:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn loaded checkpoint tensors into what `apply` expects."""
 
-    def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in float32: the stacked view, whatever the storage."""
-        raise NotImplementedError
-
     def scales(self, layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
 
@@ -84,9 +80,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer, num_experts, hidden_size, expert_width, params_dtype):
         layer.w13_weight = _param((num_experts, 2 * expert_width, hidden_size), params_dtype, WEIGHT)
         layer.w2_weight = _param((num_experts, hidden_size, expert_width), params_dtype, WEIGHT)
-
-    def dequantized_weights(self, layer):
-        return layer.w13_weight.float(), layer.w2_weight.float()
 
 
 class Fp8FusedMoEMethod(FusedMoEMethodBase):
@@ -155,11 +148,6 @@ class Fp8FusedMoEMethod(FusedMoEMethodBase):
         if not self.spec.static:
             return None, None
         return layer.w13_input_scale.data, layer.w2_input_scale.data
-
-    def dequantized_weights(self, layer):
-        return tuple(w.data.float() * expand_weight_scale(s.data, self.spec, w.shape)
-                     for w, s in ((layer.w13_weight, layer.w13_weight_scale),
-                                  (layer.w2_weight, layer.w2_weight_scale)))
 
 
 def method_for_spec(spec: MoEQuantSpec) -> FusedMoEMethodBase:
