@@ -25,6 +25,7 @@ from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.moe.reference import fused_experts_reference
 from quantize_moe.moe.routing import route
+from quantize_moe.write.pipeline import pick_device
 
 
 @dataclass(frozen=True)
@@ -179,11 +180,7 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
                         f"use biases and a {source.family.activation} activation that the fused-MoE layer it "
                         "runs does not compute.")
     _check_same_model(source, produced, src, dst)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} was asked for, but torch sees no CUDA GPU here.")
-    torch_device = torch.device(device)
+    torch_device = pick_device(device)
     chosen = sorted(source.layers) if layers is None else layers
     unknown = [layer for layer in chosen if layer not in source.layers]
     if unknown:

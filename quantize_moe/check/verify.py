@@ -21,7 +21,7 @@ import torch
 
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import Kind
-from quantize_moe.check.weights import RoundingError, check_device, check_expert_weights
+from quantize_moe.check.weights import RoundingError, check_expert_weights
 from quantize_moe.source.checkpoint import Checkpoint, read_json_object
 from quantize_moe.source.locations import INDEX_NAME
 from quantize_moe.adapters.reader import SourceReader
@@ -34,6 +34,7 @@ from quantize_moe.check.findings import Finding, finding
 from quantize_moe.check.integrity import IntegrityCheck
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
 from quantize_moe.write.destination import PARTIAL_SUFFIX
+from quantize_moe.write.pipeline import pick_device
 from quantize_moe.plan.plan import scale_siblings
 
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,7 +285,7 @@ def check_coverage(inventory: Inventory) -> Finding:
 def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
     """Routed experts through the stacked FusedMoE view; every other FP8 weight dequantized within FP8
     rounding of the source; every kept tensor bit-identical to the source."""
-    device = check_device("auto")
+    device = pick_device("auto")
     layers = check_expert_weights(source.folder, inventory.checkpoint.folder, inventory.adapter, str(device))
     experts = finding("numerics: experts",
                       [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"

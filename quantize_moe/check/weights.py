@@ -18,6 +18,7 @@ import torch
 from quantize_moe.quantization import fp8
 from quantize_moe.check.moe_layers import MoECheckpoint
 from quantize_moe.quantization.spec import MoEQuantSpec, expand_weight_scale
+from quantize_moe.write.pipeline import pick_device
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,12 @@ def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int,
     return (rows, cols), expand_weight_scale(part, spec, (1, rows, cols))[0]
 
 
-def check_device(device: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-
-
 def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None = None,
                          device: str = "auto") -> list[LayerWeightCheck]:
     """Every MoE layer's experts of DST against SRC; the next chunk of experts is read (SRC's and DST's
     in a thread each) while this one is compared, so reading and arithmetic overlap."""
     original, quantized = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
-    torch_device = check_device(device)
+    torch_device = pick_device(device)
     chunks = [(layer, experts) for layer in sorted(original.layers) for experts in original.expert_chunks(layer)]
 
     results, error = [], None
