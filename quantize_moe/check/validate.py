@@ -185,11 +185,12 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     unknown = [layer for layer in chosen if layer not in source.layers]
     if unknown:
         raise UserError(f"--layers names layer {unknown[0]}, which is not an MoE layer of '{src}'.")
-    # float64 weights of a whole layer can be too large for the device: fall back to float32 then.
-    largest = max((source.layers[layer] for layer in chosen), key=lambda i: i.num_experts * i.expert_width)
-    weight_count = 3 * largest.num_experts * largest.hidden_size * largest.expert_width
+    # The reference dequantizes one expert at a time: its w13 (2I x H), the scale expanded over it and their
+    # product, in float64 unless those three would not fit in a quarter of the free memory.
+    expert_w13 = max((2 * source.layers[layer].hidden_size * source.layers[layer].expert_width for layer in chosen),
+                     default=0)
     free = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else 16 * 2**30
-    reference_dtype = torch.float64 if 8 * weight_count < free // 4 else torch.float32
+    reference_dtype = torch.float64 if 3 * 8 * expert_w13 < free // 4 else torch.float32
 
     if batches is not None:
         inputs = _streamed_inputs(source, chosen, batches, torch_device, adapter)
