@@ -7,6 +7,7 @@ describe what is on disk, not what the run meant to write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from transformers import PretrainedConfig
 
@@ -44,7 +45,7 @@ class Inventory:
     adapter: str | None = None  # the explicit --adapter it was read with, for reading the source the same way
     kv_cache: bool = False  # the config declares an FP8 KV cache
 
-    @property
+    @cached_property
     def attention(self) -> list[str]:
         """The attention modules (those with a k_proj Linear): where an FP8 KV cache has its scales."""
         return [n.removesuffix(".k_proj.weight") for n, s in self.tensors.items()
