@@ -19,7 +19,9 @@ from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.moe.methods import method_for_spec
 from quantize_moe.moe.reference import fused_experts_reference, quantize_weight
 from quantize_moe.plan.options import Options
-from quantize_moe.quantization.formats import read_quantization
+from quantize_moe.plan.plan import _check_source_not_done
+from quantize_moe.quantization.formats import FORMATS, read_quantization
+from quantize_moe.quantization.schemes import SCHEMES
 from quantize_moe.quantization.spec import MoEQuantSpec
 from quantize_moe.source.checkpoint import Checkpoint
 from quantize_moe.source.tiny import build_tiny_checkpoint
@@ -51,6 +53,22 @@ def _activations(dynamic, strategy, group_size=None) -> dict:
 ], ids=["native-static", "ct-static", "ct-dynamic-tensor", "ct-dynamic-token", "ct-channel", "ct-block-group"])
 def test_read_quantization_keeps_the_input_activations(config, spec):
     assert read_quantization(config, "'config.json'")[0] == spec
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_a_source_made_with_the_options_asked_for_is_nothing_to_do_and_no_other_is(fmt):
+    """Static activations and the FP8 KV cache are part of what an output is: the same job only with the same ones."""
+    runs = [Options(scheme="tensor", format=fmt, activations=activations, kv_cache=kv)
+            for activations in ("dynamic", "static") for kv in (None, "fp8")]
+    for made in runs:
+        raw = {"quantization_config": FORMATS[fmt].quantization_config(
+            SCHEMES["tensor"], ["lm_head"], ["model.layers.0.mlp.experts.0.w1"], made.activations, made.kv_cache == "fp8")}
+        for asked in runs:
+            if asked == made:
+                with pytest.raises(UserError, match="nothing to do"):
+                    _check_source_not_done(raw, asked, "'config.json'")
+            else:
+                _check_source_not_done(raw, asked, "'config.json'")  # another job: requantize it
 
 
 @pytest.mark.parametrize("config, fragment", [

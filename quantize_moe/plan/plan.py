@@ -224,16 +224,16 @@ def make_plan(checkpoint: Checkpoint, options: Options = Options()) -> Plan:
 
 
 def _check_source_not_done(raw: dict, options: Options, where: str) -> None:
-    """Refuse a SRC already quantized the way it is asked for: there is nothing to do."""
-    if raw.get("quantization_config") is None:
-        return
-    method = raw["quantization_config"].get("quant_method")
-    scheme, fmt = SCHEMES[options.scheme], FORMATS[options.format]
-    asked = {"quantization_config": fmt.quantization_config(scheme, [], [])}  # what our output would declare
-    if (method, *read_quantization(raw, where)) == (fmt.name, *read_quantization(asked, where)):
-        raise UserError(f"{where} says the checkpoint is already quantized ({method}) as --scheme "
-                        f"{options.scheme} --format {options.format} asks, so there is nothing to do; point SRC "
-                        "at the bf16/fp16/fp32 original, or ask for another --scheme or --format with --requantize.")
+    """Refuse a SRC already quantized as asked (format, scheme, activations, KV cache): nothing to do."""
+    qc = raw.get("quantization_config") or {}  # none: its quant_method None is no format's
+    scheme, fmt, kv_cache = SCHEMES[options.scheme], FORMATS[options.format], options.kv_cache == "fp8"
+    asked = {"quantization_config": fmt.quantization_config(scheme, [], [], options.activations, kv_cache)}  # ours
+    declared = (qc.get("quant_method"), *read_quantization(raw, where), qc.get("kv_cache_scheme") is not None)
+    if declared == (fmt.name, *read_quantization(asked, where), kv_cache):
+        raise UserError(f"{where} says the checkpoint is already quantized ({declared[0]}) as --scheme "
+                        f"{options.scheme} --format {options.format}{' --activations static' * declared[1].static}"
+                        f"{' --kv-cache fp8' * kv_cache} asks, so there is nothing to do; point SRC at the "
+                        "bf16/fp16/fp32 original, or ask for another --scheme or --format with --requantize.")
 
 
 def _decide(info: TensorInfo, role: TensorRole, options: Options, shapes: list[tuple[int, ...]],
