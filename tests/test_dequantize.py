@@ -48,7 +48,7 @@ def test_table_dequantize_equals_torch_for_every_byte_and_scale_layout(layout, s
     for chunk in (fp8.CHUNK_ELEMENTS, 3 * shape[1]):  # one chunk, and chunks of 3 rows (or one cell row)
         out = fp8.dequantize_grid(q, scale, cell, torch.empty(shape, dtype=dtype), chunk)
         assert same_bytes(out, expected), (layout, chunk)
-    assert torch.equal(fp8.FLOAT_OF_BYTE.view(torch.int32),
+    assert torch.equal(fp8.float_of_byte(torch.device("cpu")).view(torch.int32),
                        torch.arange(256, dtype=torch.uint8).view(fp8.FP8_DTYPE).float().view(torch.int32))
 
 

@@ -9,6 +9,8 @@ faults than the arithmetic itself.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quantize_moe.errors import UserError
@@ -146,9 +148,11 @@ def quantize_cells(weight: torch.Tensor, cell: tuple[int, int], out: torch.Tenso
     return scale
 
 
-# Every FP8 byte as float32, exactly as torch's cast gives it (NaN included): a gather from these 256
-# values is 3-8x faster than that cast on the CPU (one element at a time there).
-FLOAT_OF_BYTE = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+@functools.cache
+def float_of_byte(device: torch.device) -> torch.Tensor:
+    """Every FP8 byte as float32 on `device` (made once per device), exactly as torch's cast gives it (NaN
+    included): a gather from these 256 values is 3-8x faster than that cast on the CPU."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float().to(device)
 
 
 def dequantize_grid(q: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int], out: torch.Tensor,
@@ -164,7 +168,7 @@ def dequantize_grid(q: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int],
     step = max(1, chunk_elements // cols)
     if cell_rows <= step:
         step -= step % cell_rows
-    table = FLOAT_OF_BYTE.to(q.device)
+    table = float_of_byte(q.device)
     index = torch.empty(min(rows, step) * cols, dtype=torch.int32, device=q.device)
     buffer = None if out.dtype == torch.float32 else torch.empty_like(index, dtype=torch.float32)
     for start in range(0, rows, step):
