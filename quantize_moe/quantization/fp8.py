@@ -156,10 +156,11 @@ def float_of_byte(device: torch.device) -> torch.Tensor:
 
 
 def dequantize_grid(q: torch.Tensor, scale: torch.Tensor, cell: tuple[int, int], out: torch.Tensor,
-                    chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+                    chunk_elements: int = CHUNK_ELEMENTS // 8) -> torch.Tensor:
     """`(q.float() * scale).to(out.dtype)` into `out` with one float32 scale per `cell` (`scale` has
     `grid_shape`, on q's device): the same bytes, `chunk_elements` at a time through one float32
-    buffer, with the scale broadcast over each cell instead of repeated over every element."""
+    buffer (4 MB with its index by default: readers call this from several threads at once), with the
+    scale broadcast over each cell instead of repeated over every element."""
     rows, cols = q.shape
     if q.numel() == 0:
         return out
