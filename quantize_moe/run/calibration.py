@@ -32,11 +32,14 @@ from quantize_moe.run.executor import LayerStreamedModel
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
-def _largest(store: dict, key, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
-    """Running amax kept on the device: no synchronisation per call (`amax`: x's, already computed)."""
-    if amax is not None or x.numel():
-        value = x.detach().abs().amax().float() if amax is None else amax
-        store[key] = value if key not in store else torch.maximum(store[key], value)
+def _keep_largest(store: dict, key, amax: torch.Tensor) -> None:
+    """Running amax kept on the device: no synchronisation per call."""
+    store[key] = amax if key not in store else torch.maximum(store[key], amax)
+
+
+def _largest(store: dict, key, x: torch.Tensor) -> None:
+    if x.numel():
+        _keep_largest(store, key, x.detach().abs().amax().float())
 
 
 def _experts_layout(module: torch.nn.Module, name: str) -> None:
@@ -89,13 +92,13 @@ class _Collector:
                 tokens = hidden[(index == expert).any(-1)]
                 _largest(self.experts, (layer, expert, W13), tokens)
                 if len(tokens):
-                    _largest(self.experts, (layer, expert, W2), None, _gated_amax(module, tokens, expert, budget)[0])
+                    _keep_largest(self.experts, (layer, expert, W2), _gated_amax(module, tokens, expert, budget)[0])
             return
         every_token = hidden.abs().amax().float()  # every expert's w13 input: the same tokens for all
         gated = _gated_amax(module, hidden, 0, budget, experts)
         for expert in range(experts):
-            _largest(self.experts, (layer, expert, W13), hidden, every_token)
-            _largest(self.experts, (layer, expert, W2), None, gated[expert])
+            _keep_largest(self.experts, (layer, expert, W13), every_token)
+            _keep_largest(self.experts, (layer, expert, W2), gated[expert])
 
     def result(self, tokens: int) -> ActivationAmax:
         for store in (self.linears, self.kv, self.experts):
