@@ -281,11 +281,12 @@ def demo(
     """Build, quantize and check a tiny checkpoint of a real family.
 
     Runs offline on a CPU and prints the report."""
-    from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, weight_check_table
-    from quantize_moe.write.job import quantize_checkpoint
-    from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
-
     from quantize_moe.adapters import adapter_for
+    from quantize_moe.check.validate import validate as run_validation
+    from quantize_moe.check.weights import check_expert_weights
+    from quantize_moe.cli.report import decisions_table, overview_table, run_table, validation_table, weight_check_table
+    from quantize_moe.source.tiny import TINY_CONFIGS, build_tiny_checkpoint
+    from quantize_moe.write.job import quantize_checkpoint
 
     # gpt-oss: `quantize` refuses it (no engine loads its fused experts in FP8)
     choices = [t for t in TINY_CONFIGS if not adapter_for({"model_type": t}).fp8_refusal]
@@ -299,15 +300,11 @@ def demo(
         stdout.print(overview_table(summary.plan))
         stdout.print(decisions_table(summary.plan, wide))
         stdout.print(run_table(summary.plan, summary.seconds, summary.copied_files))
-        from quantize_moe.check.weights import check_expert_weights
-
         checks = check_expert_weights(src, dst)
         stdout.print(weight_check_table(checks))
         if not all(c.ok for c in checks):
             raise UserError("Some expert weights are outside FP8 rounding of the original; this is a bug in "
                             "quantize-moe, please report it.")
-        from quantize_moe.check.validate import validate as run_validation
-
         report = run_validation(src, dst, tokens=256)
         stdout.print(validation_table(report, wide))
         if not report.passed:
