@@ -228,3 +228,26 @@ def test_llama4_written_per_expert_passes_against_its_fused_source_and_a_missing
     save_file(tensors, shard, metadata={"format": "pt"})
     problems = failed(verify(tmp_path / "dst", Checkpoint(tmp_path / "src")))
     assert f"'{expert}.weight'" in problems["structure"] and "expert 2 w3 is missing" in problems["coverage"]
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+def test_the_weight_check_on_validate_s_loaded_layers_equals_the_chunked_one(block_friendly, tmp_path, scheme):
+    """On a GPU, verify --against compares the experts on the layers validate loaded (one read of each);
+    that must give what the weight check's own chunked loading gives, a damaged expert included."""
+    from quantize_moe.check.validate import validate
+    from quantize_moe.check.weights import check_expert_weights, layer_weight_check
+
+    src, dst = block_friendly("mixtral"), tmp_path / "fp8"
+    quantize_checkpoint(src, dst, Options(scheme=scheme), show_progress=False)
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    edit_shards(dst, lambda tensors: name in tensors and tensors.update(
+        {name: (tensors[name].float() * 1.5).to(tensors[name].dtype)}))
+    loaded = []
+    validate(src, dst, tokens=16, device="cpu",
+             on_loaded=lambda layer, original, quantized: loaded.append(layer_weight_check(layer, original, quantized)))
+    chunked = check_expert_weights(src, dst, device="cpu")
+    assert [c.layer for c in loaded] == [c.layer for c in chunked]
+    for mine, theirs in zip(loaded, chunked):
+        assert mine.relative_error == pytest.approx(theirs.relative_error, rel=1e-6)
+        assert mine.worst_bound_ratio == pytest.approx(theirs.worst_bound_ratio, rel=1e-6)
+    assert [c.ok for c in loaded] == [c.layer != 1 for c in loaded]

@@ -25,3 +25,18 @@ def test_weight_checks_on_the_gpu_agree_with_the_cpu(block_friendly, tmp_path, s
         assert on_gpu.worst_bound_ratio == pytest.approx(on_cpu.worst_bound_ratio, rel=1e-4)
     report = verify(tmp_path / "fp8", Checkpoint(src))  # the other FP8 tensors too, on the GPU
     assert report.ok, report.findings
+
+
+def test_verify_on_the_gpu_reads_each_layer_once_and_still_catches_a_wrong_expert(block_friendly, tmp_path):
+    """On a GPU the expert check reads the layers validate loaded: a damaged expert fails it there."""
+    from static_checkpoint import edit_shards
+
+    src, dst = block_friendly("mixtral"), tmp_path / "fp8"
+    quantize_checkpoint(src, dst, Options(scheme="block"), show_progress=False)
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    edit_shards(dst, lambda tensors: name in tensors and tensors.update(
+        {name: (tensors[name].float() * 1.5).to(tensors[name].dtype)}))
+    (dst / "quantize-moe-manifest.json").unlink()  # as another tool's output: the hashes would stop it first
+    failures = {f.check: f.message + " ".join(f.examples) for f in verify(dst, Checkpoint(src)).findings
+                if f.status == "fail"}
+    assert "numerics: experts" in failures and "layer 1" in failures["numerics: experts"], failures

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -121,17 +122,21 @@ def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.
 
 
 def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, x: torch.Tensor, *, device: torch.device,
-                   reference_dtype: torch.dtype, thresholds: Thresholds) -> LayerResult:
+                   reference_dtype: torch.dtype, thresholds: Thresholds,
+                   on_loaded: Callable[[int, FusedMoE, FusedMoE], None] | None = None) -> LayerResult:
     info = src.layers[layer]
     router = {k: v.to(device) for k, v in src.load_router(layer).items()}
     x, weights, ids = route(x, router, src.family.routing_rule(src.config, router, layer))
 
     original = src.load_layer(layer, device)
     out_bf16, ref_bf16 = _outputs(original, x, weights, ids, reference_dtype)
-    del original
+    if on_loaded is None:
+        original = None  # freed before DST's layer is loaded
     quantized = dst.load_layer(layer, device)
     out_fp8, ref_fp8 = _outputs(quantized, x, weights, ids, reference_dtype)
-    del quantized
+    if on_loaded is not None:
+        on_loaded(layer, original, quantized)
+    del original, quantized
 
     relative = _relative(out_fp8, out_bf16)
     cosine = torch.nn.functional.cosine_similarity(out_fp8.double().flatten(), out_bf16.double().flatten(),
@@ -166,10 +171,13 @@ def _check_same_model(source: MoECheckpoint, produced: MoECheckpoint, src, dst) 
 def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int = 0, device: str = "auto",
              hidden_states_file: Path | None = None, batches: list[torch.Tensor] | None = None,
              layers: list[int] | None = None, thresholds: Thresholds = Thresholds(), on_layer=None,
-             adapter: str | None = None) -> ValidationReport:
+             adapter: str | None = None,
+             on_loaded: Callable[[int, FusedMoE, FusedMoE], None] | None = None) -> ValidationReport:
     """Validate every MoE layer (or `layers`) of DST against SRC; `on_layer(result, total)` sees each result.
     Hidden states are drawn, read from `hidden_states_file`, or captured over the token `batches` by the
-    streamed forward of SRC. `adapter="generic"` reads both through the generic adapter."""
+    streamed forward of SRC. `adapter="generic"` reads both through the generic adapter. `on_loaded(layer,
+    original, quantized)` sees both loaded layers before they are freed (verify's weight check, which
+    then reads no expert again); they are held at once for it, one at a time without."""
     if batches is not None and hidden_states_file is not None:
         raise UsageError("--data and --hidden-states both give hidden states; pass one of them.")
     source, produced = MoECheckpoint.open(src, adapter), MoECheckpoint.open(dst, adapter)
@@ -200,7 +208,7 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     results = []
     for layer, x in inputs:
         result = validate_layer(source, produced, layer, x, device=torch_device, reference_dtype=reference_dtype,
-                                thresholds=thresholds)
+                                thresholds=thresholds, on_loaded=on_loaded)
         results.append(result)
         if on_layer is not None:
             on_layer(result, len(chosen))

@@ -21,7 +21,7 @@ import torch
 
 from quantize_moe.quantization import fp8
 from quantize_moe.adapters import Kind
-from quantize_moe.check.weights import RoundingError, check_expert_weights
+from quantize_moe.check.weights import LayerWeightCheck, RoundingError, check_expert_weights, layer_weight_check
 from quantize_moe.source.checkpoint import Checkpoint, read_json_object
 from quantize_moe.source.locations import INDEX_NAME
 from quantize_moe.adapters.reader import SourceReader
@@ -284,9 +284,18 @@ def check_coverage(inventory: Inventory) -> Finding:
 # -- numerics ---------------------------------------------------------------------------------------
 def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
     """Routed experts through the stacked FusedMoE view; every other FP8 weight dequantized within FP8
-    rounding of the source; every kept tensor bit-identical to the source."""
+    rounding of the source; every kept tensor bit-identical to the source; on a GPU, every MoE layer run
+    through the FP8 Triton kernels against bf16 (`validate`), whose loaded layers the expert check reads,
+    so each layer's experts are read once. On a CPU that run takes long enough to be its own command."""
     device = pick_device("auto")
-    layers = check_expert_weights(source.folder, inventory.checkpoint.folder, inventory.adapter, str(device))
+    if device.type == "cuda":
+        layers: list[LayerWeightCheck] = []
+        outputs = check_layer_outputs(inventory, source, lambda layer, original, quantized: layers.append(
+            layer_weight_check(layer, original, quantized)))
+    else:
+        layers = check_expert_weights(source.folder, inventory.checkpoint.folder, inventory.adapter, str(device))
+        outputs = Finding("numerics: layer outputs", "skip", "no CUDA GPU; run `quantize-moe validate SRC DST` "
+                          "to compare layer outputs on the CPU")
     experts = finding("numerics: experts",
                       [f"layer {c.layer}: worst error {c.worst_bound_ratio:.2f}x the FP8 rounding bound"
                        for c in layers if not c.ok],
@@ -311,18 +320,15 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
             problems.append(f"'{name}': worst error {ratio:.2f}x the FP8 rounding bound")
     others = finding("numerics: other tensors", problems, f"{compared} other tensors match the source (kept "
                      "ones bit for bit, FP8 ones within rounding)", "tensor(s) differ from the source")
-    return [experts, others, check_layer_outputs(inventory, source)]
+    return [experts, others, outputs]
 
 
-def check_layer_outputs(inventory: Inventory, source: Checkpoint) -> Finding:
-    """On a GPU, every MoE layer run through the FP8 Triton kernels against bf16 (`validate`); on a CPU
-    that takes long enough to be its own command, so it is skipped here."""
-    if not torch.cuda.is_available():
-        return Finding("numerics: layer outputs", "skip", "no CUDA GPU; run `quantize-moe validate SRC DST` "
-                       "to compare layer outputs on the CPU")
+def check_layer_outputs(inventory: Inventory, source: Checkpoint, on_loaded) -> Finding:
+    """Every MoE layer of DST run through the FP8 Triton kernels against SRC's bf16 experts (`validate`)."""
     from quantize_moe.check.validate import validate
 
-    report = validate(source.folder, inventory.checkpoint.folder, device="cuda", adapter=inventory.adapter)
+    report = validate(source.folder, inventory.checkpoint.folder, device="cuda", adapter=inventory.adapter,
+                      on_loaded=on_loaded)
     return finding("numerics: layer outputs",
                    [f"layer {r.layer}: relative error {r.relative_error:.1e}, cosine {r.cosine:.4f}"
                      for r in report.layers if not r.passed],

@@ -17,6 +17,7 @@ import torch
 
 from quantize_moe.quantization import fp8
 from quantize_moe.check.moe_layers import MoECheckpoint
+from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.quantization.spec import MoEQuantSpec, expand_weight_scale
 from quantize_moe.write.pipeline import pick_device
 
@@ -98,6 +99,23 @@ def _scale_rows(scale: torch.Tensor, spec: MoEQuantSpec, start: int, end: int,
     return (rows, cols), expand_weight_scale(part, spec, (1, rows, cols))[0]
 
 
+def compare_experts(error: RoundingError, original: FusedMoE, quantized: FusedMoE) -> None:
+    """Add every expert projection of `quantized` against the same expert of `original` to `error`: both
+    loaded by the same weight loader (and post-processed: a max-requantized w13 is what is compared)."""
+    for w, w_scale, q, scale in zip((original.w13_weight, original.w2_weight), original.quant_method.scales(original),
+                                    (quantized.w13_weight, quantized.w2_weight), quantized.quant_method.scales(quantized)):
+        for e in range(w.shape[0]):
+            source_scale = None if w_scale is None else (w_scale[e], original.quant_method.spec)
+            error.add(w.data[e], q.data[e], scale[e], quantized.quant_method.spec, source_scale)
+
+
+def layer_weight_check(layer: int, original: FusedMoE, quantized: FusedMoE) -> LayerWeightCheck:
+    """One whole MoE layer, already loaded on its device (as `validate` loads it), against the source."""
+    error = RoundingError(quantized.w13_weight.device)
+    compare_experts(error, original, quantized)
+    return LayerWeightCheck(layer, *error.result())
+
+
 def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None = None,
                          device: str = "auto") -> list[LayerWeightCheck]:
     """Every MoE layer's experts of DST against SRC; the next chunk of experts is read (SRC's and DST's
@@ -116,11 +134,7 @@ def check_expert_weights(src: str | Path, dst: str | Path, adapter: str | None =
             a, b = (future.result() for future in ahead)
             ahead = load(index + 1) if index + 1 < len(chunks) else None
             error = error or RoundingError(torch_device)  # one per layer, its buffers freed after it
-            for w, w_scale, q, scale in zip((a.w13_weight, a.w2_weight), a.quant_method.scales(a),
-                                            (b.w13_weight, b.w2_weight), b.quant_method.scales(b)):
-                for e in range(len(experts)):
-                    source_scale = None if w_scale is None else (w_scale[e], original.spec)
-                    error.add(w.data[e], q.data[e], scale[e], quantized.spec, source_scale)
+            compare_experts(error, a, b)
             del a, b
             if index + 1 == len(chunks) or chunks[index + 1][0] != layer:
                 results.append(LayerWeightCheck(layer, *error.result()))
