@@ -132,6 +132,22 @@ class SourceReader:
         role = self.family.role(name, tensor.dim())  # a tensor of fused experts, a scale per expert
         return self._fused(name, tensor, role.fused, self._experts[role.layer]).to(self.dtype)
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """`out.copy_(self.get(name))`, with no tensor of the weight's size beside `out` where the data allows
+        (`out` may be a view into a larger tensor, such as one expert's slice of a fused parameter): a
+        safetensors tensor of out's dtype read straight into it, an FP8 weight with a scale of its own
+        dequantized into it (the same bytes as `get`, with its FP8 bytes only beside it)."""
+        info = self.checkpoint.tensors.get(name)
+        if info is None or not out.is_contiguous():  # a joined fused tensor (`model_names`)
+            out.copy_(self.get(name))
+        elif self.scaled_alone(name) and out.dtype == self.dtype:
+            scale, cell = self.scale_grid(name)
+            dequantize_grid(self.checkpoint.get(name), scale, cell, out)
+        elif info.dtype != FP8_DTYPE and self.checkpoint.readable_into(name, out):
+            self.checkpoint.read_into(name, out)
+        else:
+            out.copy_(self.get(name))
+
     def scaled_alone(self, name: str) -> bool:
         """Whether `name` is an FP8 weight with a scale of its own (no tensor of fused experts): what
         `scale_grid` describes."""
