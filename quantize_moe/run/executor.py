@@ -20,6 +20,7 @@ from quantize_moe.adapters.reader import SourceReader
 from quantize_moe.errors import UserError
 from quantize_moe.source.checkpoint import READ_THREADS
 from quantize_moe.run.activations import activations_as_declared
+from quantize_moe.run.placement import FusedPlacement
 
 
 _LIBC = ctypes.CDLL(None)
@@ -45,9 +46,9 @@ def _return_freed_memory() -> None:
 
 
 class _Handed:
-    """A tensor already read, handed over when transformers' loader materialises it (`tensor[...]`, as it
-    does a safetensors slice): from then on only the loader holds it, which frees each expert's sources as
-    it stacks them into the fused parameter."""
+    """A tensor already read (or a parameter already filled in place), handed over when transformers'
+    loader materialises it (`tensor[...]`, as it does a safetensors slice): from then on only the loader
+    holds it, which frees each expert's sources as it stacks them into a fused parameter."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], name: str):
         self.tensors, self.name = tensors, name
@@ -105,6 +106,7 @@ class LayerStreamedModel:
     def __init__(self, reader: SourceReader, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # one "Loading weights" bar per call otherwise
@@ -121,6 +123,8 @@ class LayerStreamedModel:
                             "this family cannot be run layer by layer.") from None
         self.config = self.model.config
         self.conversions = get_model_conversion_mapping(self.model, None, None)
+        self.converters = {pattern: converter for converter in self.conversions
+                           if isinstance(converter, WeightConverter) for pattern in converter.source_patterns}
         self.meta_state = self.model.state_dict()  # its parameters' and buffers' names (meta: no memory)
         self.names = {module: name for name, module in self.model.named_modules()}
         # The decoder layers are the first ModuleList (the embeddings come before them); their parent is
@@ -145,33 +149,53 @@ class LayerStreamedModel:
         with ThreadPoolExecutor(READ_THREADS) as pool:
             return dict(zip(names, pool.map(self.reader.get, names)))
 
-    def _groups(self, prefix: str) -> list[list[str]]:
+    def _groups(self, prefix: str) -> list[tuple[str, dict[str, str | None]]]:
         """The tensors under `prefix` by the parameter transformers' renamings and conversions make of them
-        (every expert's gate and up: one `gate_up_proj`), the groups of most tensors first."""
+        (every expert's gate and up: one `gate_up_proj`), each with the converter's source pattern it
+        matched (None where only renamed), the groups of most tensors first."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
         renamings = [t for t in self.conversions if isinstance(t, WeightRenaming)]
         converters = [t for t in self.conversions if isinstance(t, WeightConverter)]
-        groups: dict[str, list[str]] = {}
+        groups: dict[str, dict[str, str | None]] = {}
         for name in self._names(prefix):
-            target, _ = rename_source_key(name, renamings, converters, self.model.base_model_prefix, self.meta_state)
-            groups.setdefault(target if target in self.meta_state else name, []).append(name)
-        return sorted(groups.values(), key=len, reverse=True)
+            target, pattern = rename_source_key(name, renamings, converters, self.model.base_model_prefix,
+                                                self.meta_state)
+            groups.setdefault(target if target in self.meta_state else name, {})[name] = pattern
+        return sorted(groups.items(), key=lambda group: len(group[1]), reverse=True)
+
+    def _placement(self, target: str, patterns: dict[str, str | None]) -> FusedPlacement | None:
+        """How the parameter `target` is filled in place from its checkpoint tensors (`patterns`: name ->
+        source pattern), when one converter makes it by operations placed directly (run/placement.py)."""
+        converters = {self.converters.get(pattern) for pattern in patterns.values()}
+        if target not in self.meta_state or len(converters) != 1 or None in converters:
+            return None
+        shapes = {name: torch.Size(self.reader.checkpoint.tensors[name].shape) for name in patterns
+                  if name in self.reader.checkpoint.tensors}
+        return FusedPlacement.of(converters.pop(), patterns, shapes, self.meta_state[target])
 
     def _materialise(self, module: torch.nn.Module, what: str, prefix: str | None = None,
                      state: dict[str, torch.Tensor] | None = None) -> None:
         """Load the checkpoint tensors under `module`'s name (or `prefix`; from `state` when already read)
-        into the meta model through transformers' own checkpoint-to-module conversions (fused experts,
-        renamings), one target parameter's tensors at a time (read in parallel): the loader then holds one
-        group's sources beside its fused copy, not the whole layer's (about 1.3 layers at the peak instead
-        of 2.3; from `state`, the layer's other tensors too). Every tensor of `module` must get one."""
+        into the meta model, one target parameter at a time: a fused expert parameter filled in place
+        (run/placement.py: its sources read straight into their slices), any other through transformers'
+        own checkpoint-to-module conversions (renamings, other fusions) with its tensors read in parallel,
+        so the loader holds one group's sources beside its converted copy, not the whole layer's (from
+        `state`, the layer's other tensors too). Every tensor of `module` must get one."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        for group in self._groups(prefix or self.names[module] + "."):
-            tensors = {name: state.pop(name) for name in group} if state is not None else self._read(group)
-            convert_and_load_state_dict_in_model(self.model, {name: _Handed(tensors, name) for name in group},
-                                                 LoadStateDictConfig(dtype=self.dtype, weight_mapping=self.conversions))
+        for target, patterns in self._groups(prefix or self.names[module] + "."):
+            placement = self._placement(target, patterns)
+            if placement is not None:  # handed to the loader as the finished parameter, to set as it sets any
+                fill = self.reader.read_into if state is None else lambda name, out: out.copy_(state.pop(name))
+                tensors, mapping = {target: placement.fill(fill, READ_THREADS)}, []
+            elif state is not None:
+                tensors, mapping = {name: state.pop(name) for name in patterns}, self.conversions
+            else:
+                tensors, mapping = self._read(list(patterns)), self.conversions
+            convert_and_load_state_dict_in_model(self.model, {name: _Handed(tensors, name) for name in tensors},
+                                                 LoadStateDictConfig(dtype=self.dtype, weight_mapping=mapping))
             tensors.clear()  # any the loader did not take
         _return_freed_memory()  # the per-expert tensors fused into copies, the float32 of dequantizing FP8
         missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
