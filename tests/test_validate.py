@@ -179,3 +179,19 @@ def test_gpt_oss_refused(tiny_checkpoint):
     result = runner.invoke(app, ["validate", str(src), str(src)])
     assert result.exit_code == 1
     assert "gpt-oss checkpoint, which validate cannot check" in " ".join(result.output.split())
+
+
+def test_a_layer_read_ahead_gives_what_reading_it_in_turn_gives(mixtral_pair):
+    """On a GPU validate reads the next layer while one runs and hands it over as a future (`loaded`);
+    the layer's result must not depend on which way its experts arrived."""
+    from concurrent.futures import Future
+
+    from quantize_moe.check.thresholds import Thresholds
+    from quantize_moe.check.validate import validate_layer
+
+    source, produced = (MoECheckpoint.open(folder) for folder in mixtral_pair)
+    x = torch.randn(32, source.layers[0].hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    loaded = Future()
+    loaded.set_result((source.load_layer(0), produced.load_layer(0)))
+    args = dict(device=torch.device("cpu"), reference_dtype=torch.float64, thresholds=Thresholds())
+    assert validate_layer(source, produced, 0, x, loaded=loaded, **args) == validate_layer(source, produced, 0, x, **args)

@@ -13,6 +13,7 @@ A float64 torch reference of each separates kernel error from quantization error
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -123,16 +124,20 @@ def _streamed_inputs(moe: MoECheckpoint, layers: list[int], batches: list[torch.
 
 def validate_layer(src: MoECheckpoint, dst: MoECheckpoint, layer: int, x: torch.Tensor, *, device: torch.device,
                    reference_dtype: torch.dtype, thresholds: Thresholds,
-                   on_loaded: Callable[[int, FusedMoE, FusedMoE], None] | None = None) -> LayerResult:
+                   on_loaded: Callable[[int, FusedMoE, FusedMoE], None] | None = None,
+                   loaded: Future | None = None) -> LayerResult:
+    """One MoE layer; `loaded`, the layer's (SRC, DST) `FusedMoE`s read while the layer before ran, else
+    each is read here in turn (SRC's freed before DST's is read, unless `on_loaded` wants both)."""
     info = src.layers[layer]
     router = {k: v.to(device) for k, v in src.load_router(layer).items()}
     x, weights, ids = route(x, router, src.family.routing_rule(src.config, router, layer))
 
-    original = src.load_layer(layer, device)
+    original, quantized = loaded.result() if loaded is not None else (src.load_layer(layer, device), None)
     out_bf16, ref_bf16 = _outputs(original, x, weights, ids, reference_dtype)
-    if on_loaded is None:
-        original = None  # freed before DST's layer is loaded
-    quantized = dst.load_layer(layer, device)
+    if quantized is None:
+        if on_loaded is None:
+            original = None  # freed before DST's layer is loaded
+        quantized = dst.load_layer(layer, device)
     out_fp8, ref_fp8 = _outputs(quantized, x, weights, ids, reference_dtype)
     if on_loaded is not None:
         on_loaded(layer, original, quantized)
@@ -189,7 +194,7 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
                         "runs does not compute.")
     _check_same_model(source, produced, src, dst)
     torch_device = pick_device(device)
-    chosen = sorted(source.layers) if layers is None else layers
+    chosen = sorted(source.layers if layers is None else set(layers))  # the order the streamed forward reaches them
     unknown = [layer for layer in chosen if layer not in source.layers]
     if unknown:
         raise UserError(f"--layers names layer {unknown[0]}, which is not an MoE layer of '{src}'.")
@@ -205,13 +210,28 @@ def validate(src: str | Path, dst: str | Path, *, tokens: int = 512, seed: int =
     else:
         inputs = ((layer, _hidden_states(source, layer, tokens, seed, hidden_states_file, torch_device))
                   for layer in chosen)
+    # On a GPU the next layer of both is read (onto the GPU) while this one runs, so the disk does not wait
+    # for the kernels; on the CPU that would hold a second layer in host memory.
+    ahead = ThreadPoolExecutor(1, "validate-read") if torch_device.type == "cuda" else None
+    pending: dict[int, Future] = {}
+
+    def read(layer: int) -> tuple[FusedMoE, FusedMoE]:
+        return source.load_layer(layer, torch_device), produced.load_layer(layer, torch_device)
+
     results = []
-    for layer, x in inputs:
-        result = validate_layer(source, produced, layer, x, device=torch_device, reference_dtype=reference_dtype,
-                                thresholds=thresholds, on_loaded=on_loaded)
-        results.append(result)
-        if on_layer is not None:
-            on_layer(result, len(chosen))
+    try:
+        for index, (layer, x) in enumerate(inputs):  # in `chosen`'s order
+            for upcoming in chosen[index:index + 2] if ahead is not None else []:
+                if upcoming not in pending:
+                    pending[upcoming] = ahead.submit(read, upcoming)
+            result = validate_layer(source, produced, layer, x, device=torch_device, reference_dtype=reference_dtype,
+                                    thresholds=thresholds, on_loaded=on_loaded, loaded=pending.pop(layer, None))
+            results.append(result)
+            if on_layer is not None:
+                on_layer(result, len(chosen))
+    finally:
+        if ahead is not None:
+            ahead.shutdown(cancel_futures=True)
     return ValidationReport(str(src), str(dst), str(torch_device),
                             "triton" if torch_device.type == "cuda" else "torch reference",
                             str(reference_dtype).removeprefix("torch."), thresholds, results,
