@@ -16,6 +16,7 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,6 +34,7 @@ from quantize_moe.adapters.fused import scale_name
 from quantize_moe.check.findings import Finding, finding
 from quantize_moe.check.integrity import IntegrityCheck
 from quantize_moe.check.inventory import Inventory, StoredTensor, take_inventory
+from quantize_moe.moe.layer import FusedMoE
 from quantize_moe.write.destination import PARTIAL_SUFFIX
 from quantize_moe.write.pipeline import pick_device
 from quantize_moe.plan.plan import scale_siblings
@@ -323,7 +325,8 @@ def check_numerics(inventory: Inventory, source: Checkpoint) -> list[Finding]:
     return [experts, others, outputs]
 
 
-def check_layer_outputs(inventory: Inventory, source: Checkpoint, on_loaded) -> Finding:
+def check_layer_outputs(inventory: Inventory, source: Checkpoint,
+                        on_loaded: Callable[[int, FusedMoE, FusedMoE], None]) -> Finding:
     """Every MoE layer of DST run through the FP8 Triton kernels against SRC's bf16 experts (`validate`)."""
     from quantize_moe.check.validate import validate
 
