@@ -191,6 +191,9 @@ def test_vllm_numbers_catch_one_damaged_expert_scale(family, vllm_results):
 @pytest.mark.parametrize("family", STATIC)
 def test_vllm_loads_calibrated_scales_and_applies_them(family, name, vllm_results):
     results = vllm_results(family)
+    refusal = results[name].get("error", "")
+    if "FP8 KV cache on CPU requires" in refusal:  # vLLM-CPU's own word on this processor (AVX2 only)
+        pytest.skip(f"vLLM-CPU cannot run an FP8 KV cache on this CPU ({refusal}); the test needs AVX-512 or AMX")
     top1, ppl = agreement(results[name], results["bf16"])
     damaged = agreement(results[f"{name}-damaged"], results["bf16"])
     print(f"{family} {name}: top-1 {top1:.4f}, perplexity ratio {ppl:.5f}; scales / 100: top-1 {damaged[0]:.4f}",
